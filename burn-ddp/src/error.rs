@@ -1,0 +1,225 @@
+//! The one error type of burn-ddp.
+//!
+//! Every failure is a value that names what went wrong: the rank that saw it, the collective
+//! operation and its sequence number, the timeout, and the peers involved. A failed collective also
+//! aborts its process group, so every other rank fails too instead of waiting for a peer that will
+//! never come.
+
+use std::time::Duration;
+
+use crate::group::Collective;
+
+/// Result type of burn-ddp.
+pub type Result<T, E = DdpError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in data-parallel training.
+///
+/// Variants that come from a collective carry `rank` (the rank that reports the error), `op` (the
+/// collective, with its arguments) and `seq` (the collective's sequence number on that rank,
+/// counted from 0 over all collectives of the process group). Sequence numbers let you line up the
+/// logs of different ranks: the same `seq` is the same rendezvous on every rank.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DdpError {
+    /// A collective waited longer than its timeout for peers that did not arrive.
+    #[error(
+        "{op} #{seq} on rank {rank} timed out after {} s: rank(s) {missing:?} did not arrive{}",
+        timeout.as_secs_f64(),
+        describe_last_seen(last_seen)
+    )]
+    Timeout {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The collective that timed out.
+        op: Collective,
+        /// Its sequence number.
+        seq: u64,
+        /// The timeout that passed.
+        timeout: Duration,
+        /// Ranks that had not arrived when the timeout passed.
+        missing: Vec<usize>,
+        /// For each missing rank, the sequence number of the last collective it entered, if any.
+        last_seen: Vec<(usize, Option<u64>)>,
+    },
+
+    /// A peer left the process group (its handle was dropped: the thread ended, panicked or the
+    /// process died) while this rank still expected it in a collective.
+    #[error("{op} #{seq} on rank {rank}: rank {peer} left the process group ({reason})")]
+    PeerLeft {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The collective this rank was in.
+        op: Collective,
+        /// Its sequence number.
+        seq: u64,
+        /// The rank that left.
+        peer: usize,
+        /// How it left, e.g. "panicked", "dropped its process group handle", "connection closed".
+        reason: String,
+    },
+
+    /// Ranks called different collectives (or the same collective with different arguments) at the
+    /// same point of their sequence. Every rank must issue the same collectives in the same order.
+    #[error(
+        "collective mismatch seen by rank {rank}: it called {op} #{seq}, but rank {peer} called {peer_op} #{peer_seq}"
+    )]
+    Mismatch {
+        /// Rank reporting the error.
+        rank: usize,
+        /// What this rank called.
+        op: Collective,
+        /// Its sequence number on this rank.
+        seq: u64,
+        /// The first rank whose call differs.
+        peer: usize,
+        /// What that rank called.
+        peer_op: Collective,
+        /// Its sequence number on that rank.
+        peer_seq: u64,
+    },
+
+    /// The process group was aborted by an earlier failure; no further collective can run on it.
+    #[error("{op} #{seq} on rank {rank}: the process group was aborted earlier: {cause}")]
+    Aborted {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The collective that was refused.
+        op: Collective,
+        /// Its sequence number.
+        seq: u64,
+        /// The failure that aborted the group.
+        cause: String,
+    },
+
+    /// The replicas do not have the same parameters and buffers (count, kind, shape or order), so
+    /// their gradient buckets would not line up.
+    #[error("replicas differ (seen by rank {rank}): {detail}")]
+    ReplicaMismatch {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The first difference, with the tensor's index, path and shapes.
+        detail: String,
+    },
+
+    /// Replicas that must be bit-identical are not (found by a consistency check).
+    #[error(
+        "replicas diverged by step {step} (seen by rank {rank}): tensor {tensor} differs from rank 0's on rank(s) {ranks:?}"
+    )]
+    ReplicasDiverged {
+        /// Rank reporting the error.
+        rank: usize,
+        /// Optimizer steps done when the check ran.
+        step: u64,
+        /// The first differing tensor: index in registration order, path, kind and shape.
+        tensor: String,
+        /// Ranks whose values of that tensor differ from rank 0's.
+        ranks: Vec<usize>,
+    },
+
+    /// The ranks do not have the same number of batches: some ran out while others still had data.
+    #[error(
+        "uneven data at step {step} of epoch {epoch} (seen by rank {rank}): rank(s) {exhausted:?} ran out of batches while rank(s) {remaining:?} still had one; use DistributedSampler shards (equal batch counts) or a dataset that divides evenly"
+    )]
+    UnevenData {
+        /// Rank reporting the error.
+        rank: usize,
+        /// Epoch (1-based, as burn-train counts).
+        epoch: usize,
+        /// Step within the epoch (0-based).
+        step: usize,
+        /// Ranks without a batch.
+        exhausted: Vec<usize>,
+        /// Ranks that still had a batch.
+        remaining: Vec<usize>,
+    },
+
+    /// A worker thread panicked (in user code, e.g. the model's `step`).
+    #[error("rank {rank} panicked: {message}")]
+    WorkerPanicked {
+        /// The rank whose thread panicked.
+        rank: usize,
+        /// The panic message.
+        message: String,
+    },
+
+    /// A gradient or bucket did not have the shape, length or type the layout expects.
+    #[error("rank {rank}: bucket {bucket}: {detail}")]
+    Bucket {
+        /// Rank reporting the error.
+        rank: usize,
+        /// Index of the bucket in the layout.
+        bucket: usize,
+        /// What was wrong.
+        detail: String,
+    },
+
+    /// A configuration value or argument is invalid (names the value and why).
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+}
+
+impl DdpError {
+    /// The rank that reported this error, when it comes from a rank.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            DdpError::Timeout { rank, .. }
+            | DdpError::PeerLeft { rank, .. }
+            | DdpError::Mismatch { rank, .. }
+            | DdpError::Aborted { rank, .. }
+            | DdpError::ReplicaMismatch { rank, .. }
+            | DdpError::ReplicasDiverged { rank, .. }
+            | DdpError::UnevenData { rank, .. }
+            | DdpError::WorkerPanicked { rank, .. }
+            | DdpError::Bucket { rank, .. } => Some(*rank),
+            DdpError::InvalidConfig(_) => None,
+        }
+    }
+
+    /// Whether this error only repeats an earlier failure ([`DdpError::Aborted`]). When several
+    /// ranks fail, the first non-`Aborted` error is the root cause.
+    pub fn is_secondary(&self) -> bool {
+        matches!(self, DdpError::Aborted { .. })
+    }
+}
+
+fn describe_last_seen(last_seen: &[(usize, Option<u64>)]) -> String {
+    if last_seen.is_empty() {
+        return String::new();
+    }
+    let parts: Vec<String> = last_seen
+        .iter()
+        .map(|(rank, seq)| match seq {
+            Some(seq) => format!("rank {rank} last entered collective #{seq}"),
+            None => format!("rank {rank} never entered a collective"),
+        })
+        .collect();
+    format!(" ({})", parts.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::group::ReduceOp;
+
+    #[test]
+    fn timeout_message_names_op_seq_timeout_and_missing_rank() {
+        let err = DdpError::Timeout {
+            rank: 0,
+            op: Collective::AllReduce {
+                op: ReduceOp::Avg,
+                len: 10,
+            },
+            seq: 7,
+            timeout: Duration::from_secs(2),
+            missing: vec![1],
+            last_seen: vec![(1, Some(6))],
+        };
+        let msg = err.to_string();
+        assert_eq!(
+            msg,
+            "all_reduce(avg, 10 f32) #7 on rank 0 timed out after 2 s: rank(s) [1] did not arrive \
+             (rank 1 last entered collective #6)"
+        );
+        assert_eq!(err.rank(), Some(0));
+        assert!(!err.is_secondary());
+    }
+}

@@ -1,0 +1,203 @@
+//! Process groups: the ranks that train together and the collectives they run.
+//!
+//! A [`ProcessGroup`] is one rank's handle on a group of `world_size` ranks (the term and the
+//! semantics follow `torch.distributed`). The collectives are the four a data-parallel trainer
+//! needs, in the order a training run calls them:
+//!
+//! 1. [`all_gather`](ProcessGroup::all_gather) of a few `u64` (start-up checks: model fingerprints,
+//!    per-step agreement on whether every rank still has a batch);
+//! 2. [`broadcast`](ProcessGroup::broadcast) of rank 0's parameters and buffers before step 1;
+//! 3. [`all_reduce`](ProcessGroup::all_reduce) of flat `f32` gradient buckets, every step;
+//! 4. [`barrier`](ProcessGroup::barrier) where ranks must wait for each other (end of an epoch).
+//!
+//! Contract shared by every implementation:
+//! - every rank issues the same collectives, with the same arguments, in the same order; a rank
+//!   that does not gets [`DdpError::Mismatch`](crate::DdpError::Mismatch) on every rank, not a hang;
+//! - every call takes a timeout; when it passes, the call returns
+//!   [`DdpError::Timeout`](crate::DdpError::Timeout) naming the ranks that did not arrive;
+//! - a failed collective aborts the group: every later call on any rank fails at once with
+//!   [`DdpError::Aborted`](crate::DdpError::Aborted), so one failure ends the whole job quickly;
+//! - all-reduce results are bit-identical on every rank (the reduction order is fixed, rank 0 to
+//!   rank N-1, and independent of timing).
+//!
+//! Implementations: [`ThreadGroup`] (ranks are threads of one process, shared memory).
+
+mod thread;
+
+use std::fmt;
+use std::time::Duration;
+
+pub use thread::ThreadGroup;
+
+use crate::Result;
+
+/// Default timeout of a collective: 300 s (the timeout the project's design card sets; PyTorch's
+/// NCCL default is 600 s, Gloo's 1800 s). Configurable per call and in
+/// [`DdpConfig`](crate::DdpConfig).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How an all-reduce combines the ranks' buffers, element by element.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum over ranks, added in rank order `((r0 + r1) + r2) + ...`.
+    Sum,
+    /// The sum (in rank order) divided by `world_size`: the gradient average of data parallelism.
+    Avg,
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+        })
+    }
+}
+
+/// One collective call with its arguments, as compared across ranks and named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// In-place all-reduce of `len` `f32` values.
+    AllReduce {
+        /// The reduction.
+        op: ReduceOp,
+        /// Number of `f32` elements.
+        len: usize,
+    },
+    /// Broadcast of `len` `f32` values from `root`.
+    Broadcast {
+        /// The rank whose buffer is copied to every other rank.
+        root: usize,
+        /// Number of `f32` elements.
+        len: usize,
+    },
+    /// Wait until every rank has arrived.
+    Barrier,
+    /// Every rank contributes `len` `u64` values and receives everyone's, rank-major.
+    AllGather {
+        /// Number of `u64` values contributed by each rank.
+        len: usize,
+    },
+}
+
+impl Collective {
+    /// The operation's name without arguments (`"all_reduce"`, `"broadcast"`, ...).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Collective::AllReduce { .. } => "all_reduce",
+            Collective::Broadcast { .. } => "broadcast",
+            Collective::Barrier => "barrier",
+            Collective::AllGather { .. } => "all_gather",
+        }
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Collective::AllReduce { op, len } => write!(f, "all_reduce({op}, {len} f32)"),
+            Collective::Broadcast { root, len } => {
+                write!(f, "broadcast(root {root}, {len} f32)")
+            }
+            Collective::Barrier => f.write_str("barrier"),
+            Collective::AllGather { len } => write!(f, "all_gather({len} u64)"),
+        }
+    }
+}
+
+/// One rank's handle on a process group.
+///
+/// Handles are `Send + Sync`, but a rank's collectives must be issued one at a time, in program
+/// order (one thread per rank), as with `torch.distributed`.
+pub trait ProcessGroup: Send + Sync {
+    /// This rank, in `0..world_size`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// Short name of the transport, for logs: `"threads"`, `"tcp"`, `"nccl"`.
+    fn backend(&self) -> &'static str;
+
+    /// Reduces `bucket` across ranks in place: afterwards every rank holds the element-wise sum
+    /// (or average, for [`ReduceOp::Avg`]) of all ranks' buffers, bit-identical on every rank.
+    ///
+    /// `bucket.len()` must be the same on every rank.
+    ///
+    /// # Errors
+    /// [`Timeout`](crate::DdpError::Timeout) when a rank does not arrive within `timeout`,
+    /// [`PeerLeft`](crate::DdpError::PeerLeft), [`Mismatch`](crate::DdpError::Mismatch) when ranks
+    /// called different collectives or lengths, [`Aborted`](crate::DdpError::Aborted) after an
+    /// earlier failure.
+    fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()>;
+
+    /// Copies `root`'s `buffer` into every other rank's `buffer` (same length on every rank).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](ProcessGroup::all_reduce); [`InvalidConfig`](crate::DdpError::InvalidConfig)
+    /// when `root >= world_size`.
+    fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()>;
+
+    /// Returns once every rank has called `barrier`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](ProcessGroup::all_reduce).
+    fn barrier(&self, timeout: Duration) -> Result<()>;
+
+    /// Every rank contributes `values` (same length `L` on every rank) and receives all ranks'
+    /// values, rank-major: the result has length `world_size * L` and `result[r * L..(r + 1) * L]`
+    /// is rank `r`'s contribution. Meant for small checks, not bulk data.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](ProcessGroup::all_reduce).
+    fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>>;
+
+    /// Aborts the group on behalf of this rank: every rank's pending and future collectives fail
+    /// at once with [`Aborted`](crate::DdpError::Aborted) carrying `reason`. A rank calls this
+    /// when it fails outside a collective (an error in its data or model), so its peers do not
+    /// wait for the timeout. Aborting twice keeps the first reason.
+    fn abort(&self, reason: &str);
+}
+
+/// Splits `len` elements into `parts` contiguous chunks whose sizes differ by at most one; returns
+/// the half-open range of chunk `index`. Used to share the reduction work between ranks.
+pub(crate) fn chunk_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
+    let base = len / parts;
+    let extra = len % parts;
+    let start = index * base + index.min(extra);
+    let size = base + usize::from(index < extra);
+    start..start + size
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_buffer_without_overlap() {
+        for len in [0usize, 1, 5, 16, 17, 1000] {
+            for parts in 1..6 {
+                let mut next = 0;
+                for index in 0..parts {
+                    let range = chunk_range(len, parts, index);
+                    assert_eq!(range.start, next, "len {len} parts {parts} index {index}");
+                    next = range.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+
+    #[test]
+    fn collective_display_names_arguments() {
+        assert_eq!(
+            Collective::Broadcast { root: 0, len: 3 }.to_string(),
+            "broadcast(root 0, 3 f32)"
+        );
+        assert_eq!(
+            Collective::AllGather { len: 2 }.to_string(),
+            "all_gather(2 u64)"
+        );
+        assert_eq!(Collective::Barrier.to_string(), "barrier");
+    }
+}

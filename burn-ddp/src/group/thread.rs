@@ -1,0 +1,683 @@
+//! [`ThreadGroup`]: ranks that are threads of one process, reducing through shared memory.
+//!
+//! # How a collective runs
+//!
+//! Each rank posts its call (operation, sequence number, buffer address) and waits at a phase
+//! barrier. Once all have arrived, each rank checks that every rank posted the same call, then works
+//! directly on its peers' buffers, which stay alive because their owners are parked in the same
+//! collective:
+//!
+//! - all-reduce (reduce-scatter + all-gather, like a ring but through memory): rank `r` reduces
+//!   chunk `r` of every rank's buffer, adding in rank order `0, 1, ..., N-1`, and writes the result
+//!   into its own buffer; after a second barrier every rank copies the other chunks from their
+//!   owners. Each element is computed once, so all ranks hold the same bits, and the reduction
+//!   work is spread over all ranks' cores.
+//! - broadcast: non-root ranks copy the root's buffer.
+//! - all-gather: every rank copies every rank's values.
+//!
+//! A rank only leaves a collective early (timeout, peer left, abort) once no peer is still
+//! reading its buffer (the `busy` count), so no buffer is read after its owner returned.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{Collective, ProcessGroup, ReduceOp, chunk_range};
+use crate::{DdpError, Result};
+
+/// One rank of a process group whose ranks are threads of the same process.
+///
+/// Create all ranks at once with [`ThreadGroup::new_group`] and move one handle to each thread.
+/// Dropping a handle (its thread ended or panicked) makes the other ranks' pending and future
+/// collectives fail with [`DdpError::PeerLeft`] naming it.
+pub struct ThreadGroup {
+    rank: usize,
+    seq: AtomicU64,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    world_size: usize,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+struct State {
+    /// The call each rank posted for its current collective.
+    posted: Vec<Option<Posted>>,
+    /// Ranks that arrived at the current phase barrier.
+    arrived: Vec<bool>,
+    arrived_count: usize,
+    /// Number of completed phase barriers; waiters watch it change.
+    generation: u64,
+    /// Ranks still reading peers' buffers in the current data phase.
+    busy: usize,
+    /// Sequence number of the last collective each rank entered.
+    last_seen: Vec<Option<u64>>,
+    /// Why a rank left the group, once it has.
+    left: Vec<Option<String>>,
+    /// Why the group was aborted, once it has been.
+    aborted: Option<String>,
+}
+
+#[derive(Clone, Copy)]
+struct Posted {
+    seq: u64,
+    op: Collective,
+    /// Address of the rank's buffer (`f32` or `u64` depending on `op`).
+    addr: usize,
+}
+
+/// What a rank is doing, for error messages.
+#[derive(Clone, Copy)]
+struct Call {
+    rank: usize,
+    seq: u64,
+    op: Collective,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+/// What comes after a phase barrier.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// Ranks read each other's buffers until the next barrier.
+    Data,
+    /// Nobody reads peers' buffers (the collective ends, or only local work follows).
+    Local,
+}
+
+impl ThreadGroup {
+    /// Creates the `world_size` ranks of a new group; element `r` of the result is rank `r`.
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidConfig`] when `world_size` is 0.
+    pub fn new_group(world_size: usize) -> Result<Vec<ThreadGroup>> {
+        if world_size == 0 {
+            return Err(DdpError::InvalidConfig(
+                "a ThreadGroup needs a world size of at least 1, got 0".into(),
+            ));
+        }
+        let shared = Arc::new(Shared {
+            world_size,
+            state: Mutex::new(State {
+                posted: vec![None; world_size],
+                arrived: vec![false; world_size],
+                arrived_count: 0,
+                generation: 0,
+                busy: 0,
+                last_seen: vec![None; world_size],
+                left: vec![None; world_size],
+                aborted: None,
+            }),
+            changed: Condvar::new(),
+        });
+        Ok((0..world_size)
+            .map(|rank| ThreadGroup {
+                rank,
+                seq: AtomicU64::new(0),
+                shared: shared.clone(),
+            })
+            .collect())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock means a thread panicked while holding it; every operation under the lock
+        // leaves the state consistent, so keep going with it.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn begin(&self, op: Collective, timeout: Duration) -> Call {
+        Call {
+            rank: self.rank,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            op,
+            deadline: Instant::now() + timeout,
+            timeout,
+        }
+    }
+
+    /// Posts this rank's call and waits until every rank has posted, then checks the calls match.
+    fn post_and_match(&self, call: Call, addr: usize, next: Next) -> Result<MutexGuard<'_, State>> {
+        let mut st = self.lock();
+        if let Some(cause) = &st.aborted {
+            return Err(aborted(call, cause));
+        }
+        st.posted[self.rank] = Some(Posted {
+            seq: call.seq,
+            op: call.op,
+            addr,
+        });
+        st.last_seen[self.rank] = Some(call.seq);
+        let st = self.phase_barrier(st, call, next, false)?;
+        let mismatch = st
+            .posted
+            .iter()
+            .enumerate()
+            .find_map(|(peer, posted)| match posted {
+                Some(p) if p.seq == call.seq && p.op == call.op => None,
+                Some(p) => Some((peer, p.op, p.seq)),
+                // Unreachable in practice: a rank is counted as arrived only after posting.
+                None => Some((peer, Collective::Barrier, u64::MAX)),
+            });
+        if let Some((peer, peer_op, peer_seq)) = mismatch {
+            let err = DdpError::Mismatch {
+                rank: self.rank,
+                op: call.op,
+                seq: call.seq,
+                peer,
+                peer_op,
+                peer_seq,
+            };
+            let mut st = st;
+            if next == Next::Data {
+                // Every rank sees the same posted calls, so every rank stops here: nobody reads.
+                st.busy -= 1;
+            }
+            abort_locked(&mut st, &err.to_string());
+            self.shared.changed.notify_all();
+            return Err(err);
+        }
+        Ok(st)
+    }
+
+    /// Waits until all ranks arrive at the current phase barrier.
+    ///
+    /// `leaving_data`: this rank ends a data phase here (it no longer reads peers' buffers).
+    /// `next`: whether ranks will read each other's buffers after this barrier.
+    fn phase_barrier<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        call: Call,
+        next: Next,
+        leaving_data: bool,
+    ) -> Result<MutexGuard<'a, State>> {
+        let n = self.shared.world_size;
+        if leaving_data {
+            st.busy -= 1;
+            if st.busy == 0 {
+                self.shared.changed.notify_all();
+            }
+        }
+        if let Some(cause) = st.aborted.clone() {
+            return Err(self.leave_after_failure(st, aborted(call, &cause)));
+        }
+        st.arrived[self.rank] = true;
+        st.arrived_count += 1;
+        if st.arrived_count == n {
+            st.arrived.iter_mut().for_each(|a| *a = false);
+            st.arrived_count = 0;
+            st.generation += 1;
+            st.busy = if next == Next::Data { n } else { 0 };
+            self.shared.changed.notify_all();
+            return Ok(st);
+        }
+        let generation = st.generation;
+        loop {
+            let now = Instant::now();
+            if now < call.deadline {
+                let (guard, _) = self
+                    .shared
+                    .changed
+                    .wait_timeout(st, call.deadline - now)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                st = guard;
+            }
+            if st.generation != generation {
+                return Ok(st);
+            }
+            if let Some(cause) = st.aborted.clone() {
+                withdraw(&mut st, self.rank);
+                return Err(self.leave_after_failure(st, aborted(call, &cause)));
+            }
+            let gone = (0..n).find_map(|peer| {
+                if st.arrived[peer] {
+                    return None;
+                }
+                st.left[peer].clone().map(|reason| (peer, reason))
+            });
+            if let Some((peer, reason)) = gone {
+                let err = DdpError::PeerLeft {
+                    rank: self.rank,
+                    op: call.op,
+                    seq: call.seq,
+                    peer,
+                    reason,
+                };
+                withdraw(&mut st, self.rank);
+                abort_locked(&mut st, &err.to_string());
+                self.shared.changed.notify_all();
+                return Err(self.leave_after_failure(st, err));
+            }
+            if Instant::now() >= call.deadline {
+                let missing: Vec<usize> = (0..n).filter(|&peer| !st.arrived[peer]).collect();
+                let last_seen = missing
+                    .iter()
+                    .map(|&peer| (peer, st.last_seen[peer]))
+                    .collect();
+                let err = DdpError::Timeout {
+                    rank: self.rank,
+                    op: call.op,
+                    seq: call.seq,
+                    timeout: call.timeout,
+                    missing,
+                    last_seen,
+                };
+                withdraw(&mut st, self.rank);
+                abort_locked(&mut st, &err.to_string());
+                self.shared.changed.notify_all();
+                return Err(self.leave_after_failure(st, err));
+            }
+        }
+    }
+
+    /// Ends a data phase: waits at the next phase barrier, which starts phase `next`.
+    fn end_phase(&self, call: Call, next: Next) -> Result<()> {
+        let st = self.lock();
+        self.phase_barrier(st, call, next, true).map(drop)
+    }
+
+    /// Before a failing rank returns, waits until no peer still reads its buffer. Peers in a data
+    /// phase only copy or add memory, so this wait is short and bounded.
+    fn leave_after_failure(&self, mut st: MutexGuard<'_, State>, err: DdpError) -> DdpError {
+        while st.busy > 0 {
+            st = self
+                .shared
+                .changed
+                .wait(st)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        err
+    }
+
+    /// The buffer addresses every rank posted for the current collective, indexed by rank.
+    fn peer_addrs(st: &State) -> Vec<usize> {
+        st.posted
+            .iter()
+            .map(|p| p.map(|p| p.addr).unwrap_or(0))
+            .collect()
+    }
+
+    fn check_not_aborted(&self, call: Call) -> Result<()> {
+        match &self.lock().aborted {
+            Some(cause) => Err(aborted(call, cause)),
+            None => Ok(()),
+        }
+    }
+}
+
+fn aborted(call: Call, cause: &str) -> DdpError {
+    DdpError::Aborted {
+        rank: call.rank,
+        op: call.op,
+        seq: call.seq,
+        cause: cause.to_string(),
+    }
+}
+
+fn abort_locked(st: &mut State, reason: &str) {
+    if st.aborted.is_none() {
+        st.aborted = Some(reason.to_string());
+    }
+}
+
+/// Takes back this rank's arrival at a barrier that will not complete.
+fn withdraw(st: &mut State, rank: usize) {
+    if st.arrived[rank] {
+        st.arrived[rank] = false;
+        st.arrived_count -= 1;
+    }
+}
+
+/// Number of elements reduced per block: small enough to stay in L1 (8 KiB of `f32`).
+const BLOCK: usize = 2048;
+
+/// Reduces `range` of every rank's buffer into `own`, in rank order.
+///
+/// # Safety
+/// Every address in `addrs` points to a live `f32` buffer of at least `range.end` elements, and no
+/// other thread writes `range` of any of them, nor reads `range` of `own`, during the call.
+unsafe fn reduce_range(
+    addrs: &[usize],
+    own: *mut f32,
+    range: std::ops::Range<usize>,
+    op: ReduceOp,
+) {
+    let n = addrs.len();
+    let mut acc = [0f32; BLOCK];
+    let mut start = range.start;
+    while start < range.end {
+        let len = BLOCK.min(range.end - start);
+        let acc = &mut acc[..len];
+        // SAFETY: per the function contract, the ranges read are live and not written meanwhile.
+        unsafe {
+            acc.copy_from_slice(std::slice::from_raw_parts(
+                (addrs[0] as *const f32).add(start),
+                len,
+            ));
+            for &addr in &addrs[1..] {
+                let src = std::slice::from_raw_parts((addr as *const f32).add(start), len);
+                for (a, s) in acc.iter_mut().zip(src) {
+                    *a += *s;
+                }
+            }
+        }
+        if op == ReduceOp::Avg {
+            let divisor = n as f32;
+            for a in acc.iter_mut() {
+                *a /= divisor;
+            }
+        }
+        // SAFETY: `own[start..start + len]` is only touched by this thread in this phase.
+        unsafe {
+            std::slice::from_raw_parts_mut(own.add(start), len).copy_from_slice(acc);
+        }
+        start += len;
+    }
+}
+
+impl ProcessGroup for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world_size
+    }
+
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+
+    fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()> {
+        let n = self.shared.world_size;
+        let len = bucket.len();
+        let call = self.begin(Collective::AllReduce { op, len }, timeout);
+        if n == 1 {
+            // Sum and average over one rank are the identity.
+            return self.check_not_aborted(call);
+        }
+        // From here on the buffer is only accessed through `own`, as peers access it too.
+        let own = bucket.as_mut_ptr();
+        let st = self.post_and_match(call, own as usize, Next::Data)?;
+        let addrs = Self::peer_addrs(&st);
+        drop(st);
+
+        // Reduce-scatter: this rank owns chunk `rank`.
+        // SAFETY: all ranks posted buffers of `len` elements (checked by `post_and_match`) and are
+        // parked in this collective until the last barrier; in this phase rank `r` reads chunk `r`
+        // of every buffer and writes chunk `r` of its own only.
+        unsafe { reduce_range(&addrs, own, chunk_range(len, n, self.rank), op) };
+        self.end_phase(call, Next::Data)?;
+
+        // All-gather: copy every other chunk from its owner.
+        for (peer, &addr) in addrs.iter().enumerate() {
+            if peer == self.rank {
+                continue;
+            }
+            let range = chunk_range(len, n, peer);
+            // SAFETY: chunk `peer` of rank `peer`'s buffer is final and nobody writes it in this
+            // phase; this rank writes only chunks it does not own in its own buffer, which no peer
+            // reads in this phase.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (addr as *const f32).add(range.start),
+                    own.add(range.start),
+                    range.len(),
+                );
+            }
+        }
+        self.end_phase(call, Next::Local)
+    }
+
+    fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
+        let n = self.shared.world_size;
+        let len = buffer.len();
+        let call = self.begin(Collective::Broadcast { root, len }, timeout);
+        if root >= n {
+            return Err(DdpError::InvalidConfig(format!(
+                "broadcast #{} on rank {}: root {root} is not below the world size {n}",
+                call.seq, self.rank
+            )));
+        }
+        if n == 1 {
+            return self.check_not_aborted(call);
+        }
+        let own = buffer.as_mut_ptr();
+        let st = self.post_and_match(call, own as usize, Next::Data)?;
+        let root_addr = Self::peer_addrs(&st)[root];
+        drop(st);
+        if self.rank != root {
+            // SAFETY: the root's buffer has `len` elements (checked), is only read in this phase,
+            // and stays alive until the last barrier; `own` is this rank's exclusive buffer.
+            unsafe { std::ptr::copy_nonoverlapping(root_addr as *const f32, own, len) };
+        }
+        self.end_phase(call, Next::Local)
+    }
+
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        let call = self.begin(Collective::Barrier, timeout);
+        if self.shared.world_size == 1 {
+            return self.check_not_aborted(call);
+        }
+        let st = self.post_and_match(call, 0, Next::Local)?;
+        // A second phase so that no rank posts its next call before every rank checked this one.
+        self.phase_barrier(st, call, Next::Local, false).map(drop)
+    }
+
+    fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>> {
+        let n = self.shared.world_size;
+        let len = values.len();
+        let call = self.begin(Collective::AllGather { len }, timeout);
+        if n == 1 {
+            self.check_not_aborted(call)?;
+            return Ok(values.to_vec());
+        }
+        let st = self.post_and_match(call, values.as_ptr() as usize, Next::Data)?;
+        let addrs = Self::peer_addrs(&st);
+        drop(st);
+        let mut out = Vec::with_capacity(n * len);
+        for &addr in &addrs {
+            // SAFETY: every rank posted `len` values (checked) that stay alive and unchanged until
+            // the last barrier of this collective.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u64, len) });
+        }
+        self.end_phase(call, Next::Local)?;
+        Ok(out)
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut st = self.lock();
+        abort_locked(&mut st, &format!("rank {} aborted the group: {reason}", self.rank));
+        self.shared.changed.notify_all();
+    }
+}
+
+impl Drop for ThreadGroup {
+    fn drop(&mut self) {
+        let reason = if std::thread::panicking() {
+            "its thread panicked"
+        } else {
+            "its handle was dropped"
+        };
+        let mut st = self.lock();
+        st.left[self.rank] = Some(reason.to_string());
+        self.shared.changed.notify_all();
+    }
+}
+
+impl std::fmt::Debug for ThreadGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.shared.world_size)
+            .field("next_seq", &self.seq.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::thread;
+
+    const T: Duration = Duration::from_secs(10);
+
+    /// Runs `f(rank, group)` on one thread per rank and returns the results in rank order.
+    fn run<R: Send>(
+        world_size: usize,
+        f: impl Fn(usize, ThreadGroup) -> R + Sync,
+    ) -> Vec<R> {
+        let groups = ThreadGroup::new_group(world_size).unwrap();
+        thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .enumerate()
+                .map(|(rank, g)| {
+                    let f = &f;
+                    s.spawn(move || f(rank, g))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn all_reduce_sums_and_averages_in_rank_order_on_every_rank() {
+        for n in [1usize, 2, 3, 4] {
+            let len = 5003; // not a multiple of the block or of n
+            let input = |rank: usize, i: usize| ((rank * 31 + i * 7) % 97) as f32 * 0.37 - 11.0;
+            let results = run(n, |rank, g| {
+                let mut sum: Vec<f32> = (0..len).map(|i| input(rank, i)).collect();
+                let mut avg = sum.clone();
+                g.all_reduce(&mut sum, ReduceOp::Sum, T).unwrap();
+                g.all_reduce(&mut avg, ReduceOp::Avg, T).unwrap();
+                (sum, avg)
+            });
+            for i in 0..len {
+                // Independent computation: sequential sum in rank order.
+                let mut expected = input(0, i);
+                for r in 1..n {
+                    expected += input(r, i);
+                }
+                for (rank, (sum, avg)) in results.iter().enumerate() {
+                    assert_eq!(sum[i].to_bits(), expected.to_bits(), "n {n} rank {rank} i {i}");
+                    assert_eq!(
+                        avg[i].to_bits(),
+                        (expected / n as f32).to_bits(),
+                        "n {n} rank {rank} i {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn broadcast_copies_the_root_buffer() {
+        let results = run(3, |rank, g| {
+            let mut buf = vec![rank as f32; 100];
+            g.broadcast(&mut buf, 2, T).unwrap();
+            buf
+        });
+        for buf in results {
+            assert!(buf.iter().all(|&v| v == 2.0));
+        }
+    }
+
+    #[test]
+    fn all_gather_is_rank_major() {
+        let results = run(3, |rank, g| {
+            g.all_gather(&[rank as u64, 10 + rank as u64], T).unwrap()
+        });
+        for out in results {
+            assert_eq!(out, vec![0, 10, 1, 11, 2, 12]);
+        }
+    }
+
+    #[test]
+    fn a_rank_that_never_arrives_is_named_within_the_timeout() {
+        let timeout = Duration::from_millis(300);
+        let results = run(3, |rank, g| {
+            let mut buf = vec![1.0f32; 8];
+            if rank == 2 {
+                // Rank 2 skips the all-reduce; it only shows up (late) for a barrier.
+                thread::sleep(Duration::from_millis(600));
+                return (g.barrier(timeout), Duration::ZERO);
+            }
+            let start = Instant::now();
+            (g.all_reduce(&mut buf, ReduceOp::Avg, timeout), start.elapsed())
+        });
+        for (rank, (result, elapsed)) in results.iter().take(2).enumerate() {
+            let err = result.as_ref().unwrap_err();
+            assert!(elapsed < &Duration::from_secs(3), "rank {rank} took {elapsed:?}");
+            match err {
+                // The first rank to time out names rank 2; the other may see the abort first.
+                DdpError::Timeout { missing, seq, .. } => {
+                    assert!(missing.contains(&2), "{err}");
+                    assert_eq!(*seq, 0);
+                }
+                DdpError::Aborted { cause, .. } => assert!(cause.contains("[2]"), "{err}"),
+                other => panic!("rank {rank}: unexpected error {other}"),
+            }
+        }
+        // The late rank finds the group aborted instead of waiting.
+        assert!(matches!(results[2].0, Err(DdpError::Aborted { .. })));
+    }
+
+    #[test]
+    fn mismatched_calls_fail_on_every_rank() {
+        let results = run(2, |rank, g| {
+            let mut buf = vec![0.0f32; 4 + rank];
+            g.all_reduce(&mut buf, ReduceOp::Sum, T)
+        });
+        for (rank, result) in results.iter().enumerate() {
+            match result {
+                Err(DdpError::Mismatch { peer, .. }) => assert_ne!(*peer, rank),
+                other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_dropped_rank_is_named_at_once() {
+        let results = run(2, |rank, g| {
+            if rank == 1 {
+                drop(g);
+                return Ok(Duration::ZERO);
+            }
+            let start = Instant::now();
+            g.barrier(Duration::from_secs(30)).map(|_| start.elapsed())
+        });
+        match &results[0] {
+            Err(DdpError::PeerLeft { peer: 1, .. }) => {}
+            other => panic!("expected PeerLeft naming rank 1, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn abort_wakes_waiting_ranks_with_the_reason() {
+        let results = run(2, |rank, g| {
+            if rank == 1 {
+                thread::sleep(Duration::from_millis(50));
+                g.abort("bad batch");
+                return Ok(());
+            }
+            g.barrier(Duration::from_secs(30))
+        });
+        match &results[0] {
+            Err(DdpError::Aborted { cause, .. }) => assert!(cause.contains("bad batch")),
+            other => panic!("expected Aborted, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn zero_world_size_is_an_error() {
+        assert!(matches!(
+            ThreadGroup::new_group(0),
+            Err(DdpError::InvalidConfig(_))
+        ));
+    }
+}

@@ -1,0 +1,114 @@
+//! Per-rank timing and communication counters (the figures PyTorch DDP's logging reports).
+//!
+//! Times are wall-clock durations measured on the rank's thread. On asynchronous devices (CUDA)
+//! a phase's time includes waiting for the device work queued before it.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Communication counters of one rank's [`Reducer`](crate::Reducer).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CommStats {
+    /// Gradient synchronisations (optimizer steps).
+    pub steps: u64,
+    /// Buckets all-reduced.
+    pub buckets: u64,
+    /// Bytes all-reduced by this rank (bucket sizes, `f32`, presence flags included).
+    pub bytes: usize,
+    /// Time spent flattening gradients into buckets.
+    pub flatten: Duration,
+    /// Time spent in all-reduce calls, including waiting for slower ranks.
+    pub all_reduce: Duration,
+    /// Time spent splitting buckets back into gradients.
+    pub unflatten: Duration,
+}
+
+impl CommStats {
+    /// Total time in gradient synchronisation: flatten + all-reduce + unflatten.
+    pub fn total(&self) -> Duration {
+        self.flatten + self.all_reduce + self.unflatten
+    }
+}
+
+/// What one rank did during a training run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RankReport {
+    /// The rank.
+    pub rank: usize,
+    /// Training batches this rank processed (micro-batches with gradient accumulation).
+    pub batches: u64,
+    /// Time in forward + backward passes (`TrainStep::step`).
+    pub compute: Duration,
+    /// Time in the per-step agreement collective (does every rank still have a batch?),
+    /// including waiting for slower ranks.
+    pub coordination: Duration,
+    /// Time in optimizer steps.
+    pub optimizer: Duration,
+    /// Gradient synchronisation counters.
+    pub comm: CommStats,
+}
+
+/// Throughput of one training epoch, measured on rank 0 from the first step to the last.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpochReport {
+    /// Epoch number, 1-based as burn-train counts.
+    pub epoch: usize,
+    /// Samples trained on, summed over ranks (the global batch times the steps).
+    pub samples: u64,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Wall time of the epoch's training loop (validation excluded).
+    pub train_time: Duration,
+}
+
+impl EpochReport {
+    /// Training throughput in samples per second.
+    pub fn samples_per_second(&self) -> f64 {
+        self.samples as f64 / self.train_time.as_secs_f64().max(f64::MIN_POSITIVE)
+    }
+}
+
+/// What a [`DdpStrategy`](crate::DdpStrategy) run did: one entry per epoch and per rank.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TrainingReport {
+    /// World size of the run.
+    pub world_size: usize,
+    /// Per-epoch throughput, in order.
+    pub epochs: Vec<EpochReport>,
+    /// Per-rank counters, indexed by rank (filled when training ends).
+    pub ranks: Vec<RankReport>,
+}
+
+impl fmt::Display for TrainingReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "burn-ddp report, world size {}", self.world_size)?;
+        for e in &self.epochs {
+            writeln!(
+                f,
+                "  epoch {}: {} samples in {:.1} s, {:.1} samples/s",
+                e.epoch,
+                e.samples,
+                e.train_time.as_secs_f64(),
+                e.samples_per_second()
+            )?;
+        }
+        for r in &self.ranks {
+            writeln!(
+                f,
+                "  rank {}: {} batches, compute {:.2} s, gradient sync {:.2} s (all-reduce {:.2} s, \
+                 flatten {:.2} s, unflatten {:.2} s, {:.1} MiB), agreement {:.2} s, optimizer {:.2} s",
+                r.rank,
+                r.batches,
+                r.compute.as_secs_f64(),
+                r.comm.total().as_secs_f64(),
+                r.comm.all_reduce.as_secs_f64(),
+                r.comm.flatten.as_secs_f64(),
+                r.comm.unflatten.as_secs_f64(),
+                r.comm.bytes as f64 / (1024.0 * 1024.0),
+                r.coordination.as_secs_f64(),
+                r.optimizer.as_secs_f64(),
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,393 @@
+//! The reducer: averages a replica's gradients across ranks, bucket by bucket.
+//!
+//! Following PyTorch DDP's `Reducer`:
+//! - parameters are assigned to buckets in **reverse registration order** (the last layers'
+//!   gradients come first out of the backward pass), with a size cap per bucket: 1 MiB for the
+//!   first, 25 MiB for the others by default ([`DdpConfig`]); a bucket closes once it reaches its
+//!   cap, so a parameter larger than the cap gets a bucket of its own;
+//! - the layout depends only on shapes and order, so it is the same on every rank (checked at
+//!   start-up by [`ReplicaLayout::verify_across`]);
+//! - each step, each bucket's gradients are flattened into **one contiguous `f32` tensor on the
+//!   rank's device**, all-reduced with [`ReduceOp::Avg`] (sum in rank order, divided by the world
+//!   size), and split back into [`GradientsParams`].
+//!
+//! A parameter that got no gradient on a rank (unused in that rank's forward pass) contributes
+//! zeros. Each bucket carries one extra element per parameter, 1.0 where the rank has a gradient,
+//! so after the all-reduce every rank knows whether any rank had one: a parameter without a
+//! gradient on every rank is left out of the result, exactly as single-device training would leave
+//! it out of the optimizer step.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use crate::group::{ProcessGroup, ReduceOp};
+use crate::metrics::CommStats;
+use crate::replica::{ReplicaLayout, TensorSpec};
+use crate::{DdpConfig, DdpError, Result};
+
+/// Bytes of one gradient element in a bucket (`f32`).
+const ELEMENT_BYTES: usize = 4;
+
+/// One bucket: parameters whose gradients are all-reduced together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    /// Indices into the reducer's parameter list (registration order), in bucket order.
+    pub params: Vec<usize>,
+    /// Offset of each parameter's gradient in the flat bucket, in elements.
+    pub offsets: Vec<usize>,
+    /// Number of gradient elements (`f32`), without the presence flags.
+    pub numel: usize,
+}
+
+impl Bucket {
+    /// Size of the gradients in bytes (`numel * 4`).
+    pub fn bytes(&self) -> usize {
+        self.numel * ELEMENT_BYTES
+    }
+}
+
+/// Assignment of parameters to buckets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketLayout {
+    buckets: Vec<Bucket>,
+}
+
+impl BucketLayout {
+    /// Assigns parameters (given in registration order, with their element counts) to buckets in
+    /// reverse order. The first bucket closes once it holds `first_cap_bytes` or more, every later
+    /// bucket once it holds `cap_bytes` or more (PyTorch's `compute_bucket_assignment_by_size`).
+    pub fn new(param_numels: &[usize], first_cap_bytes: usize, cap_bytes: usize) -> Self {
+        let mut buckets = Vec::new();
+        let mut current = Bucket {
+            params: Vec::new(),
+            offsets: Vec::new(),
+            numel: 0,
+        };
+        for (index, &numel) in param_numels.iter().enumerate().rev() {
+            current.params.push(index);
+            current.offsets.push(current.numel);
+            current.numel += numel;
+            let cap = if buckets.is_empty() {
+                first_cap_bytes
+            } else {
+                cap_bytes
+            };
+            if current.bytes() >= cap {
+                buckets.push(std::mem::replace(
+                    &mut current,
+                    Bucket {
+                        params: Vec::new(),
+                        offsets: Vec::new(),
+                        numel: 0,
+                    },
+                ));
+            }
+        }
+        if !current.params.is_empty() {
+            buckets.push(current);
+        }
+        Self { buckets }
+    }
+
+    /// The buckets, in all-reduce order.
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+}
+
+/// Averages gradients across the ranks of a process group.
+///
+/// Build one per replica with [`Reducer::new`] (every rank at the same time: it checks that the
+/// replicas match), then call [`Reducer::reduce`] once per optimizer step.
+pub struct Reducer {
+    group: Arc<dyn ProcessGroup>,
+    params: Vec<TensorSpec>,
+    layout: BucketLayout,
+    timeout: Duration,
+    stats: CommStats,
+}
+
+impl Reducer {
+    /// Builds the bucket layout of `replica`'s parameters and checks, with every other rank, that
+    /// all replicas have the same layout. Every rank must call it.
+    ///
+    /// # Errors
+    /// [`DdpError::ReplicaMismatch`] (on every rank) when the replicas differ; the collective's
+    /// errors; [`DdpError::InvalidConfig`] for an invalid `config`.
+    pub fn new(
+        group: Arc<dyn ProcessGroup>,
+        replica: &ReplicaLayout,
+        config: &DdpConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        replica.verify_across(group.as_ref(), config.timeout())?;
+        let params: Vec<TensorSpec> = replica.parameters().cloned().collect();
+        let numels: Vec<usize> = params.iter().map(TensorSpec::numel).collect();
+        let layout = BucketLayout::new(
+            &numels,
+            config.first_bucket_cap_bytes(),
+            config.bucket_cap_bytes(),
+        );
+        Ok(Self {
+            group,
+            params,
+            layout,
+            timeout: config.timeout(),
+            stats: CommStats::default(),
+        })
+    }
+
+    /// The bucket layout.
+    pub fn layout(&self) -> &BucketLayout {
+        &self.layout
+    }
+
+    /// The parameters whose gradients are reduced, in registration order.
+    pub fn parameters(&self) -> &[TensorSpec] {
+        &self.params
+    }
+
+    /// Communication counters since the reducer was built.
+    pub fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+
+    /// The process group.
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.group
+    }
+
+    /// Replaces every parameter's gradient in `grads` by its average over all ranks. `B` is the
+    /// backend the gradients live on (the inner backend of the autodiff backend), `device` the
+    /// rank's device, where the buckets are built. Gradients of tensors that are not parameters of
+    /// the layout are returned untouched.
+    ///
+    /// With a world size of 1 the gradients are returned as they are (the average of one rank).
+    ///
+    /// # Errors
+    /// [`DdpError::Bucket`] when a gradient's shape differs from its parameter's; the all-reduce's
+    /// errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], [`DdpError::Mismatch`], ...). After
+    /// an error the gradients are lost and the process group is aborted.
+    pub fn reduce<B: Backend>(
+        &mut self,
+        mut grads: GradientsParams,
+        device: &B::Device,
+    ) -> Result<GradientsParams> {
+        if self.group.world_size() == 1 {
+            self.stats.steps += 1;
+            return Ok(grads);
+        }
+        let rank = self.group.rank();
+        for (bucket_index, bucket) in self.layout.buckets.iter().enumerate() {
+            let started = Instant::now();
+            let mut parts = Vec::with_capacity(bucket.params.len() + 1);
+            let mut present = Vec::with_capacity(bucket.params.len());
+            for &p in &bucket.params {
+                let spec = &self.params[p];
+                let grad = take_flat::<B>(&mut grads, spec).map_err(|detail| {
+                    let err = DdpError::Bucket {
+                        rank,
+                        bucket: bucket_index,
+                        detail,
+                    };
+                    self.group.abort(&err.to_string());
+                    err
+                })?;
+                present.push(if grad.is_some() { 1.0f32 } else { 0.0 });
+                parts.push(grad.unwrap_or_else(|| Tensor::zeros([spec.numel()], device)));
+            }
+            let flags = present.len();
+            parts.push(Tensor::from_data(TensorData::new(present, [flags]), device));
+            let flat = Tensor::cat(parts, 0);
+            let flattened = Instant::now();
+
+            let (flat, presence) = self.all_reduce_bucket::<B>(flat, bucket, device, bucket_index)?;
+            let reduced = Instant::now();
+
+            for (j, &p) in bucket.params.iter().enumerate() {
+                if presence[j] <= 0.0 {
+                    continue;
+                }
+                let spec = &self.params[p];
+                let offset = bucket.offsets[j];
+                let grad = flat.clone().slice(offset..offset + spec.numel());
+                register_shaped::<B>(&mut grads, spec, grad);
+            }
+            let done = Instant::now();
+            self.stats.flatten += flattened - started;
+            self.stats.all_reduce += reduced - flattened;
+            self.stats.unflatten += done - reduced;
+            self.stats.buckets += 1;
+            self.stats.bytes += (bucket.numel + flags) * ELEMENT_BYTES;
+        }
+        self.stats.steps += 1;
+        Ok(grads)
+    }
+
+    /// All-reduces one flat bucket (gradients followed by presence flags) and returns it with the
+    /// presence flags read back on the host.
+    fn all_reduce_bucket<B: Backend>(
+        &self,
+        flat: Tensor<B, 1>,
+        bucket: &Bucket,
+        device: &B::Device,
+        bucket_index: usize,
+    ) -> Result<(Tensor<B, 1>, Vec<f32>)> {
+        let rank = self.group.rank();
+        let mut data = flat.into_data().convert::<f32>();
+        let values = data.as_mut_slice::<f32>().map_err(|e| DdpError::Bucket {
+            rank,
+            bucket: bucket_index,
+            detail: format!("flat bucket is not a contiguous f32 buffer: {e:?}"),
+        })?;
+        let expected = bucket.numel + bucket.params.len();
+        if values.len() != expected {
+            return Err(DdpError::Bucket {
+                rank,
+                bucket: bucket_index,
+                detail: format!(
+                    "flat bucket has {} elements, the layout expects {expected}",
+                    values.len()
+                ),
+            });
+        }
+        self.group.all_reduce(values, ReduceOp::Avg, self.timeout)?;
+        let presence = values[bucket.numel..].to_vec();
+        Ok((Tensor::from_data(data, device), presence))
+    }
+}
+
+/// Runs `$body` with `$D` bound to the const dimension `$ndims` (1 to 8).
+macro_rules! with_dims {
+    ($ndims:expr, $D:ident => $body:expr, else $fallback:expr) => {
+        match $ndims {
+            1 => {
+                const $D: usize = 1;
+                $body
+            }
+            2 => {
+                const $D: usize = 2;
+                $body
+            }
+            3 => {
+                const $D: usize = 3;
+                $body
+            }
+            4 => {
+                const $D: usize = 4;
+                $body
+            }
+            5 => {
+                const $D: usize = 5;
+                $body
+            }
+            6 => {
+                const $D: usize = 6;
+                $body
+            }
+            7 => {
+                const $D: usize = 7;
+                $body
+            }
+            8 => {
+                const $D: usize = 8;
+                $body
+            }
+            _ => $fallback,
+        }
+    };
+}
+
+/// Removes `spec`'s gradient from `grads` and flattens it to one dimension.
+fn take_flat<B: Backend>(
+    grads: &mut GradientsParams,
+    spec: &TensorSpec,
+) -> std::result::Result<Option<Tensor<B, 1>>, String> {
+    let unsupported = || {
+        format!(
+            "parameter `{}` has {} dimensions; gradients of 1 to 8 dimensions are supported",
+            spec.path,
+            spec.shape.len()
+        )
+    };
+    let grad: Option<(Vec<usize>, Tensor<B, 1>)> = with_dims!(spec.shape.len(), D => {
+        grads.remove::<B, D>(spec.id).map(|g| {
+            let shape = g.shape().to_vec();
+            (shape, g.reshape([spec.numel()]))
+        })
+    }, else return Err(unsupported()));
+    match grad {
+        None => Ok(None),
+        Some((shape, _)) if shape != spec.shape => Err(format!(
+            "gradient of `{}` has shape {shape:?}, the parameter has shape {:?}",
+            spec.path, spec.shape
+        )),
+        Some((_, flat)) => Ok(Some(flat)),
+    }
+}
+
+/// Registers a flat gradient under `spec`'s id with `spec`'s shape.
+fn register_shaped<B: Backend>(grads: &mut GradientsParams, spec: &TensorSpec, flat: Tensor<B, 1>) {
+    with_dims!(spec.shape.len(), D => {
+        let dims: [usize; D] = std::array::from_fn(|i| spec.shape[i]);
+        grads.register::<B, D>(spec.id, flat.reshape(dims));
+    }, else {
+        // `take_flat` rejected this parameter before, so the bucket never holds it.
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_follow_reverse_order_and_caps() {
+        // Four parameters of 100, 300, 50 and 400 elements (400, 1200, 200, 1600 bytes).
+        let numels = [100, 300, 50, 400];
+        let layout = BucketLayout::new(&numels, 1000, 1500);
+        let buckets = layout.buckets();
+        // Reverse order: 3 (1600 B) closes the first bucket at once (cap 1000);
+        // then 2 (200 B) + 1 (1200 B) = 1400 < 1500, + 0 (400 B) = 1800 closes the second.
+        assert_eq!(buckets.len(), 2);
+        assert_eq!(buckets[0].params, vec![3]);
+        assert_eq!(buckets[0].numel, 400);
+        assert_eq!(buckets[1].params, vec![2, 1, 0]);
+        assert_eq!(buckets[1].offsets, vec![0, 50, 350]);
+        assert_eq!(buckets[1].numel, 450);
+    }
+
+    #[test]
+    fn small_models_fit_one_bucket_with_default_caps() {
+        let numels = [160, 16, 4608, 32, 100_352, 64, 640, 10];
+        let config = DdpConfig::default();
+        let layout = BucketLayout::new(
+            &numels,
+            config.first_bucket_cap_bytes(),
+            config.bucket_cap_bytes(),
+        );
+        assert_eq!(layout.buckets().len(), 1);
+        assert_eq!(layout.buckets()[0].numel, numels.iter().sum::<usize>());
+        assert_eq!(layout.buckets()[0].params, (0..8).rev().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn every_parameter_lands_in_exactly_one_bucket() {
+        let numels: Vec<usize> = (1..40).map(|i| (i * 7919) % 5000 + 1).collect();
+        let layout = BucketLayout::new(&numels, 4096, 16384);
+        let mut seen: Vec<usize> = layout
+            .buckets()
+            .iter()
+            .flat_map(|b| b.params.clone())
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..numels.len()).collect::<Vec<_>>());
+        for b in layout.buckets() {
+            let sum: usize = b.params.iter().map(|&p| numels[p]).sum();
+            assert_eq!(sum, b.numel);
+        }
+    }
+}

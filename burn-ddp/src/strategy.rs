@@ -1,0 +1,715 @@
+//! [`DdpStrategy`]: data-parallel training as a drop-in strategy for burn-train's `Learner`.
+//!
+//! One worker thread per device, each with its own replica (a clone of the learner: model,
+//! optimizer, LR scheduler) and its own shard of the training set. Each step every replica runs
+//! forward and backward on its batch, the gradients are averaged across replicas by the
+//! [`Reducer`](crate::Reducer), and every replica applies the same optimizer step, so the replicas
+//! stay bit-identical. Rank 0 alone drives burn-train's events (progress, metrics), runs
+//! validation, writes checkpoints and decides early stopping; the other ranks forward their
+//! training items to it, so the metrics cover the global batch.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use burn::data::dataloader::Progress;
+use burn::module::{AutodiffModule, Module};
+use burn::optim::GradientsAccumulator;
+use burn::tensor::Device;
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{
+    CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
+    LearnerEvent, LearningCheckpointer, LearningComponentsTypes, LearningResult,
+    SupervisedLearningStrategy, SupervisedTraining, SupervisedTrainingEventProcessor,
+    TrainLoader, TrainStep, TrainingBackend, TrainingComponents, TrainingItem, TrainingModel,
+    TrainingStrategy, ValidLoader,
+};
+
+use crate::ddp::DistributedDataParallel;
+use crate::group::{ProcessGroup, ThreadGroup};
+use crate::metrics::{EpochReport, RankReport, TrainingReport};
+use crate::{DdpConfig, DdpError, Result};
+
+type ModelOutput<LC> = <TrainingModel<LC> as TrainStep>::Output;
+type InferenceModel<LC> = <LC as LearningComponentsTypes>::InferenceModel;
+
+/// What happens when training fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OnError {
+    /// Panic with the error's message: burn-train's `SupervisedLearningStrategy::fit` returns no
+    /// `Result`, so a panic is the only way `SupervisedTraining::launch` can report a failure.
+    Panic,
+    /// Record the error and return the model as it is; [`DdpTraining::launch_ddp`] turns the
+    /// record into an `Err`.
+    Record,
+}
+
+/// Data-parallel training across devices, as a burn-train strategy.
+///
+/// Switching an existing `SupervisedTraining` to it takes one line:
+///
+/// ```no_run
+/// # use burn::backend::{Autodiff, Flex};
+/// # use burn::train::{SupervisedTraining, LearningComponentsTypes};
+/// # fn doc<LC: LearningComponentsTypes<Backend = Autodiff<Flex>> + Send + 'static>(training: SupervisedTraining<LC>) -> SupervisedTraining<LC> {
+/// use burn_ddp::DdpStrategy;
+/// let devices = vec![Default::default(); 2]; // two replicas (CPU: two threads)
+/// training.with_training_strategy(DdpStrategy::new(devices).into())
+/// # }
+/// ```
+///
+/// The training set is split into `world_size` equal contiguous shards with
+/// `DataLoader::slice` (a remainder of fewer than `world_size` items is dropped, so every rank has
+/// the same number of batches). For PyTorch's `DistributedSampler` semantics (a new global shuffle
+/// every epoch, strided shards, the same samples per step as single-device training), give
+/// `SupervisedTraining` a [`DistributedDataLoader`](crate::DistributedDataLoader) built for the
+/// same world size. The loader's batch size is the **per-rank** batch.
+///
+/// Semantics worth knowing:
+/// - the LR scheduler steps once per optimizer step (with `grads_accumulation(k)`, once every `k`
+///   batches; burn-train's single-device loop steps it every batch);
+/// - with `grads_accumulation(k)` gradients are synchronised once per optimizer step, on the sum
+///   of the `k` micro-batches; micro-batches left over at the end of an epoch are dropped, as
+///   burn-train does;
+/// - buffers (BatchNorm running statistics): replicas that are threads of one process share
+///   Burn's `RunningState`, which averages the replicas' updates;
+/// - a failure (a rank's error, a timeout, a panic in the model) stops every rank;
+///   `SupervisedTraining::launch` then panics with the error, [`DdpTraining::launch_ddp`]
+///   returns it.
+pub struct DdpStrategy<LC: LearningComponentsTypes> {
+    devices: Vec<Device<TrainingBackend<LC>>>,
+    config: DdpConfig,
+    on_error: OnError,
+    report: Arc<Mutex<TrainingReport>>,
+    error: Arc<Mutex<Option<DdpError>>>,
+}
+
+impl<LC: LearningComponentsTypes> Clone for DdpStrategy<LC> {
+    fn clone(&self) -> Self {
+        Self {
+            devices: self.devices.clone(),
+            config: self.config.clone(),
+            on_error: self.on_error,
+            report: self.report.clone(),
+            error: self.error.clone(),
+        }
+    }
+}
+
+impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
+    /// One replica per device; rank `r` runs on `devices[r]`. On CPU backends, repeat the one
+    /// device: each replica is a thread.
+    pub fn new(devices: Vec<Device<TrainingBackend<LC>>>) -> Self {
+        Self {
+            devices,
+            config: DdpConfig::default(),
+            on_error: OnError::Panic,
+            report: Arc::default(),
+            error: Arc::default(),
+        }
+    }
+
+    /// Replaces the configuration (timeouts, bucket caps).
+    pub fn with_config(mut self, config: DdpConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Number of replicas.
+    pub fn world_size(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DdpConfig {
+        &self.config
+    }
+
+    /// Throughput and per-rank timing of the last run (shared by clones of this strategy, so keep
+    /// a clone to read it after `launch`).
+    pub fn report(&self) -> TrainingReport {
+        lock(&self.report).clone()
+    }
+
+    /// The error that ended the last run, if any (shared by clones of this strategy).
+    pub fn take_error(&self) -> Option<DdpError> {
+        lock(&self.error).take()
+    }
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> From<DdpStrategy<LC>> for TrainingStrategy<LC> {
+    fn from(strategy: DdpStrategy<LC>) -> Self {
+        TrainingStrategy::Custom(Arc::new(strategy))
+    }
+}
+
+/// Launching a `SupervisedTraining` with a [`DdpStrategy`] and getting failures as values.
+pub trait DdpTraining<LC: LearningComponentsTypes> {
+    /// Runs the training with `strategy`, like `SupervisedTraining::launch`, but returns a
+    /// failure (timeout, dead rank, uneven data, replicas that differ, ...) as `Err` instead of
+    /// panicking.
+    ///
+    /// # Errors
+    /// The [`DdpError`] that ended training: the root cause when several ranks failed.
+    fn launch_ddp(
+        self,
+        learner: Learner<LC>,
+        strategy: DdpStrategy<LC>,
+    ) -> Result<LearningResult<InferenceModel<LC>>>;
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for SupervisedTraining<LC> {
+    fn launch_ddp(
+        self,
+        learner: Learner<LC>,
+        mut strategy: DdpStrategy<LC>,
+    ) -> Result<LearningResult<InferenceModel<LC>>> {
+        strategy.on_error = OnError::Record;
+        let handle = strategy.clone();
+        let result = self
+            .with_training_strategy(strategy.into())
+            .launch(learner);
+        match handle.take_error() {
+            Some(err) => Err(err),
+            None => Ok(result),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// What rank 0 holds besides its replica: burn-train's components and the other ranks' items.
+struct Leader<LC: LearningComponentsTypes> {
+    event_processor: SupervisedTrainingEventProcessor<LC>,
+    dataloader_valid: ValidLoader<LC>,
+    checkpointer: Option<LearningCheckpointer<LC>>,
+    early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
+    event_store: Arc<EventStoreClient>,
+    items: Receiver<TrainingItem<ModelOutput<LC>>>,
+}
+
+/// Where a rank's training items go.
+enum Role<LC: LearningComponentsTypes> {
+    Leader(Box<Leader<LC>>),
+    Follower(Sender<TrainingItem<ModelOutput<LC>>>),
+}
+
+/// Everything one rank needs, moved into its thread.
+struct Worker<LC: LearningComponentsTypes> {
+    rank: usize,
+    group: Arc<dyn ProcessGroup>,
+    device: Device<TrainingBackend<LC>>,
+    learner: Learner<LC>,
+    dataloader: TrainLoader<LC>,
+    role: Role<LC>,
+    config: DdpConfig,
+    interrupter: Interrupter,
+    grad_accumulation: usize,
+    epochs: std::ops::RangeInclusive<usize>,
+    report: Arc<Mutex<TrainingReport>>,
+}
+
+/// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
+struct Finished<LC: LearningComponentsTypes> {
+    result: Result<()>,
+    report: RankReport,
+    leader: Option<(TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>)>,
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> SupervisedLearningStrategy<LC>
+    for DdpStrategy<LC>
+{
+    fn fit(
+        &self,
+        training_components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+        *lock(&self.error) = None;
+        let outcome = self.run(
+            training_components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+        );
+        match outcome {
+            Ok((model, processor, None)) => (model, processor),
+            Ok((model, processor, Some(err))) if self.on_error == OnError::Record => {
+                tracing::error!("burn-ddp: training failed: {err}");
+                *lock(&self.error) = Some(err);
+                (model, processor)
+            }
+            Ok((_, _, Some(err))) | Err(err) => {
+                tracing::error!("burn-ddp: training failed: {err}");
+                *lock(&self.error) = Some(err.clone());
+                // burn-train's `fit` cannot return an error and rank 0's event processor is
+                // gone or must not be used, so the failure ends in a panic that carries the
+                // error; `DdpTraining::launch_ddp` returns it as a value instead.
+                panic!("burn-ddp: training failed: {err}");
+            }
+        }
+    }
+}
+
+/// Rank 0's model and event processor, and the error that stopped training, if any.
+type RunOutcome<LC> = (
+    TrainingModel<LC>,
+    SupervisedTrainingEventProcessor<LC>,
+    Option<DdpError>,
+);
+
+impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
+    fn run(
+        &self,
+        components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> Result<RunOutcome<LC>> {
+        let world_size = self.devices.len();
+        let prepared = self.config.validate().and_then(|()| {
+            if world_size == 0 {
+                return Err(DdpError::InvalidConfig(
+                    "DdpStrategy needs at least one device, got none".into(),
+                ));
+            }
+            split_train_loader::<LC>(&dataloader_train, &self.devices)
+        });
+        let shards = match prepared {
+            Ok(shards) => shards,
+            // Nothing started: hand burn-train its components back with the error.
+            Err(err) => return Ok((learner.model(), components.event_processor, Some(err))),
+        };
+        *lock(&self.report) = TrainingReport {
+            world_size,
+            epochs: Vec::new(),
+            ranks: Vec::new(),
+        };
+        tracing::info!(
+            "burn-ddp: {world_size} replica(s) as threads, {} training items per rank, {}",
+            shards[0].num_items(),
+            self.config
+        );
+
+        let (sender, receiver) = mpsc::channel();
+        let mut leader = Some(Box::new(Leader {
+            event_processor: components.event_processor,
+            dataloader_valid: dataloader_valid.to_device(&self.devices[0]),
+            checkpointer: components.checkpointer,
+            early_stopping: components.early_stopping,
+            event_store: components.event_store,
+            items: receiver,
+        }));
+        let groups = ThreadGroup::new_group(world_size)?;
+        let workers: Vec<Worker<LC>> = groups
+            .into_iter()
+            .zip(shards)
+            .enumerate()
+            .map(|(rank, (group, dataloader))| Worker {
+                rank,
+                group: Arc::new(group),
+                device: self.devices[rank].clone(),
+                learner: learner.clone(),
+                dataloader,
+                role: match leader.take() {
+                    Some(leader) => Role::Leader(leader),
+                    None => Role::Follower(sender.clone()),
+                },
+                config: self.config.clone(),
+                interrupter: components.interrupter.clone(),
+                grad_accumulation: components.grad_accumulation.unwrap_or(1).max(1),
+                epochs: starting_epoch..=components.num_epochs,
+                report: self.report.clone(),
+            })
+            .collect();
+        drop(sender);
+        drop(learner);
+
+        let joined: Vec<std::thread::Result<Finished<LC>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = workers
+                .into_iter()
+                .map(|worker| {
+                    std::thread::Builder::new()
+                        .name(format!("burn-ddp-rank-{}", worker.rank))
+                        .spawn_scoped(scope, move || worker.run())
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|handle| match handle {
+                    Ok(handle) => handle.join(),
+                    Err(e) => Err(Box::new(format!("could not spawn the rank's thread: {e}"))
+                        as Box<dyn std::any::Any + Send>),
+                })
+                .collect()
+        });
+
+        let mut errors = Vec::new();
+        let mut leader_parts = None;
+        let mut ranks = Vec::new();
+        for (rank, joined) in joined.into_iter().enumerate() {
+            match joined {
+                Ok(finished) => {
+                    if let Err(err) = finished.result {
+                        errors.push(err);
+                    }
+                    ranks.push(finished.report);
+                    if finished.leader.is_some() {
+                        leader_parts = finished.leader;
+                    }
+                }
+                Err(payload) => {
+                    errors.push(DdpError::WorkerPanicked {
+                        rank,
+                        message: panic_message(payload.as_ref()),
+                    });
+                    ranks.push(RankReport {
+                        rank,
+                        ..RankReport::default()
+                    });
+                }
+            }
+        }
+        lock(&self.report).ranks = ranks;
+        let error = root_cause(errors);
+        match leader_parts {
+            Some((model, processor)) => Ok((model, processor, error)),
+            None => Err(error.unwrap_or_else(|| DdpError::WorkerPanicked {
+                rank: 0,
+                message: "rank 0 ended without returning its model".into(),
+            })),
+        }
+    }
+}
+
+/// Splits the training loader into one shard per device: `world_size` equal contiguous slices
+/// (a remainder of fewer than `world_size` items is dropped so every rank has as many batches).
+fn split_train_loader<LC: LearningComponentsTypes>(
+    loader: &TrainLoader<LC>,
+    devices: &[Device<TrainingBackend<LC>>],
+) -> Result<Vec<TrainLoader<LC>>> {
+    let world_size = devices.len();
+    let items = loader.num_items();
+    let per_rank = items / world_size;
+    if per_rank == 0 {
+        return Err(DdpError::InvalidConfig(format!(
+            "the training set has {items} items, fewer than the {world_size} replicas"
+        )));
+    }
+    if items % world_size != 0 {
+        tracing::warn!(
+            "burn-ddp: {items} training items do not divide between {world_size} replicas; the \
+             last {} are not used (use DistributedDataLoader to pad instead)",
+            items % world_size
+        );
+    }
+    Ok(devices
+        .iter()
+        .enumerate()
+        .map(|(rank, device)| {
+            if world_size == 1 {
+                loader.to_device(device)
+            } else {
+                loader
+                    .slice(rank * per_rank, (rank + 1) * per_rank)
+                    .to_device(device)
+            }
+        })
+        .collect())
+}
+
+/// The error to report when several ranks failed: a panic or a local error first, then a
+/// timeout, then a peer that left, then an abort (which only repeats an earlier failure).
+fn root_cause(errors: Vec<DdpError>) -> Option<DdpError> {
+    let weight = |e: &DdpError| match e {
+        DdpError::WorkerPanicked { .. } => 0,
+        DdpError::Aborted { .. } => 4,
+        DdpError::PeerLeft { .. } => 3,
+        DdpError::Timeout { .. } => 2,
+        _ => 1,
+    };
+    errors.into_iter().min_by_key(weight)
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
+}
+
+/// Per-step agreement: does every rank still have a batch, and did anyone ask to stop?
+struct Agreement {
+    ranks_with_batch: Vec<usize>,
+    stop: bool,
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
+    fn run(mut self) -> Finished<LC> {
+        let mut report = RankReport {
+            rank: self.rank,
+            ..RankReport::default()
+        };
+        let mut model_out = None;
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.train(&mut report, &mut model_out)
+        }));
+        let result = match result {
+            Ok(result) => result,
+            Err(payload) => {
+                let err = DdpError::WorkerPanicked {
+                    rank: self.rank,
+                    message: panic_message(payload.as_ref()),
+                };
+                Err(err)
+            }
+        };
+        if let Err(err) = &result {
+            // Peers must not wait for this rank: fail their collectives at once.
+            self.group.abort(&err.to_string());
+        }
+        let leader = match self.role {
+            Role::Leader(leader) => Some((
+                model_out.unwrap_or_else(|| self.learner.model()),
+                leader.event_processor,
+            )),
+            Role::Follower(_) => None,
+        };
+        Finished {
+            result,
+            report,
+            leader,
+        }
+    }
+
+    fn train(
+        &mut self,
+        report: &mut RankReport,
+        model_out: &mut Option<TrainingModel<LC>>,
+    ) -> Result<()> {
+        let world_size = self.group.world_size();
+        self.learner.fork(&self.device);
+        // Check the replicas and start from rank 0's parameters and buffers.
+        let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::new(
+            self.group.clone(),
+            self.learner.model(),
+            &self.device,
+            self.config.clone(),
+        )?;
+        self.learner.load_model(model.into_record());
+        let mut total_steps = 0u64;
+
+        for epoch in self.epochs.clone() {
+            let epoch_start = Instant::now();
+            let progress_global = Progress::new(epoch, *self.epochs.end());
+            let mut iterator = self.dataloader.iter();
+            let mut accumulator = GradientsAccumulator::<TrainingModel<LC>>::new();
+            let mut micro_batches = 0usize;
+            let mut steps = 0u64;
+            let mut stop = false;
+            let mut step = 0usize;
+            loop {
+                let item = iterator.next();
+                let started = Instant::now();
+                let agreement = self.agree(item.is_some())?;
+                report.coordination += started.elapsed();
+                if agreement.stop {
+                    stop = true;
+                    break;
+                }
+                if agreement.ranks_with_batch.is_empty() {
+                    break;
+                }
+                if agreement.ranks_with_batch.len() != world_size {
+                    let exhausted = (0..world_size)
+                        .filter(|r| !agreement.ranks_with_batch.contains(r))
+                        .collect();
+                    return Err(DdpError::UnevenData {
+                        rank: self.rank,
+                        epoch,
+                        step,
+                        exhausted,
+                        remaining: agreement.ranks_with_batch,
+                    });
+                }
+                let Some(item) = item else {
+                    // The agreement says every rank has a batch, this one included.
+                    break;
+                };
+                let started = Instant::now();
+                let output = self.learner.train_step(item);
+                report.compute += started.elapsed();
+                report.batches += 1;
+                micro_batches += 1;
+
+                let grads = if self.grad_accumulation > 1 {
+                    accumulator.accumulate(&self.learner.model(), output.grads);
+                    if micro_batches < self.grad_accumulation {
+                        None
+                    } else {
+                        Some(accumulator.grads())
+                    }
+                } else {
+                    Some(output.grads)
+                };
+                if let Some(grads) = grads {
+                    micro_batches = 0;
+                    let grads = ddp.sync_gradients(grads)?;
+                    let started = Instant::now();
+                    self.learner.lr_step();
+                    self.learner.optimizer_step(grads);
+                    report.optimizer += started.elapsed();
+                    steps += 1;
+                    total_steps += 1;
+                    let every = self.config.consistency_check_every();
+                    if every > 0 && total_steps % every == 0 {
+                        ddp.check_consistency(&self.learner.model(), total_steps)?;
+                    }
+                }
+                step += 1;
+
+                let local = iterator.progress();
+                let item = TrainingItem::new(
+                    output.item,
+                    Progress::new(
+                        local.items_processed * world_size,
+                        local.items_total * world_size,
+                    ),
+                    progress_global.clone(),
+                    Some(step),
+                    Some(self.learner.lr_current()),
+                );
+                match &mut self.role {
+                    Role::Leader(leader) => {
+                        leader
+                            .event_processor
+                            .process_train(LearnerEvent::ProcessedItem(item));
+                        forward_pending(leader);
+                    }
+                    Role::Follower(sender) => {
+                        // Rank 0 only stops listening when training ends; a failed send means
+                        // it is gone, which the next collective reports.
+                        let _ = sender.send(item);
+                    }
+                }
+            }
+            let train_time = epoch_start.elapsed();
+            let samples = (iterator.progress().items_processed * world_size) as u64;
+            drop(iterator);
+
+            let mut stop_requested = stop;
+            if let Role::Leader(leader) = &mut self.role {
+                forward_pending(leader);
+                leader
+                    .event_processor
+                    .process_train(LearnerEvent::EndEpoch(epoch));
+                lock(&self.report).epochs.push(EpochReport {
+                    epoch,
+                    samples,
+                    steps,
+                    train_time,
+                });
+                if !stop {
+                    validate::<LC>(
+                        &self.learner,
+                        leader,
+                        &progress_global,
+                        &self.interrupter,
+                    );
+                    if let Some(checkpointer) = &mut leader.checkpointer {
+                        checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
+                    }
+                    if let Some(early_stopping) = &mut leader.early_stopping
+                        && early_stopping.should_stop(epoch, &leader.event_store)
+                    {
+                        tracing::info!("burn-ddp: early stopping after epoch {epoch}");
+                        stop_requested = true;
+                    }
+                }
+            }
+            // Everyone waits here while rank 0 validates and writes checkpoints.
+            let votes = self.group.all_gather(
+                &[u64::from(stop_requested || self.interrupter.should_stop())],
+                self.config.epoch_end_timeout(),
+            )?;
+            if votes.iter().any(|&v| v != 0) {
+                break;
+            }
+        }
+        report.comm = ddp.comm_stats().clone();
+        *model_out = Some(self.learner.model());
+        Ok(())
+    }
+
+    /// One small all-gather per step: whether each rank has a batch and whether it was
+    /// interrupted. Every rank gets the same answer, so all stop at the same step.
+    fn agree(&self, has_batch: bool) -> Result<Agreement> {
+        let flags = [
+            u64::from(has_batch),
+            u64::from(self.interrupter.should_stop()),
+        ];
+        let all = self.group.all_gather(&flags, self.config.timeout())?;
+        Ok(Agreement {
+            ranks_with_batch: all
+                .chunks(2)
+                .enumerate()
+                .filter(|(_, f)| f[0] != 0)
+                .map(|(r, _)| r)
+                .collect(),
+            stop: all.chunks(2).any(|f| f[1] != 0),
+        })
+    }
+}
+
+/// Hands the items other ranks sent so far to burn-train's event processor.
+fn forward_pending<LC: LearningComponentsTypes>(leader: &mut Leader<LC>) {
+    while let Ok(item) = leader.items.try_recv() {
+        leader
+            .event_processor
+            .process_train(LearnerEvent::ProcessedItem(item));
+    }
+}
+
+/// Rank 0's validation pass over the whole validation set, as burn-train's single-device loop.
+fn validate<LC: LearningComponentsTypes>(
+    learner: &Learner<LC>,
+    leader: &mut Leader<LC>,
+    progress_global: &Progress,
+    interrupter: &Interrupter,
+) {
+    let epoch = progress_global.items_processed;
+    let model = learner.model().valid();
+    let mut iterator = leader.dataloader_valid.iter();
+    let mut iteration = 0;
+    while let Some(item) = iterator.next() {
+        iteration += 1;
+        let progress = iterator.progress();
+        let output = InferenceStep::step(&model, item);
+        let item = TrainingItem::new(
+            output,
+            progress,
+            progress_global.clone(),
+            Some(iteration),
+            None,
+        );
+        leader
+            .event_processor
+            .process_valid(LearnerEvent::ProcessedItem(item));
+        if interrupter.should_stop() {
+            break;
+        }
+    }
+    leader
+        .event_processor
+        .process_valid(LearnerEvent::EndEpoch(epoch));
+}

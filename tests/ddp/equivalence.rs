@@ -1,0 +1,128 @@
+//! Data-parallel training must match single-device training: N replicas with per-replica batch
+//! B/N give the same parameters as one device with batch B (to f32 rounding).
+
+use burn::optim::lr_scheduler::exponential::ExponentialLrSchedulerConfig;
+use burn::optim::{AdamConfig, SgdConfig};
+use burn_ddp_tests::{
+    Mlp, Run, device, float_tensors, materialized, max_relative_difference, run_training,
+};
+
+/// Tolerance of the issue: max relative difference 1e-5.
+const TOLERANCE: f32 = 1e-5;
+
+fn assert_trained_and_equal(initial: &[Vec<f32>], single: &[Vec<f32>], ddp: &[Vec<f32>]) {
+    let moved = max_relative_difference(single, initial);
+    assert!(moved > 1e-3, "training did not change the parameters (moved {moved})");
+    let diff = max_relative_difference(ddp, single);
+    assert!(
+        diff <= TOLERANCE,
+        "2 replicas differ from 1 device by {diff} (relative), more than {TOLERANCE}"
+    );
+}
+
+#[test]
+fn two_replicas_match_single_device_after_20_sgd_steps() {
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let (single, _) = run_training(
+        model.clone(),
+        SgdConfig::new().init(),
+        0.1,
+        &Run::new(None, 32, 20 * 32),
+    )
+    .unwrap();
+    let (ddp, report) = run_training(
+        model,
+        SgdConfig::new().init(),
+        0.1,
+        &Run::new(Some(2), 32, 20 * 32),
+    )
+    .unwrap();
+    assert_trained_and_equal(&initial, &single, &ddp);
+    let report = report.unwrap();
+    assert_eq!(report.epochs[0].steps, 20);
+    assert_eq!(report.epochs[0].samples, 640);
+    for rank in &report.ranks {
+        assert_eq!(rank.batches, 20, "rank {}", rank.rank);
+        assert_eq!(rank.comm.steps, 20, "rank {}", rank.rank);
+    }
+}
+
+#[test]
+fn two_replicas_match_single_device_after_20_adam_steps() {
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let (single, _) = run_training(
+        model.clone(),
+        AdamConfig::new().init(),
+        1e-2,
+        &Run::new(None, 32, 20 * 32),
+    )
+    .unwrap();
+    let (ddp, _) = run_training(
+        model,
+        AdamConfig::new().init(),
+        1e-2,
+        &Run::new(Some(2), 32, 20 * 32),
+    )
+    .unwrap();
+    assert_trained_and_equal(&initial, &single, &ddp);
+}
+
+#[test]
+fn four_replicas_match_single_device_over_two_epochs() {
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let mut run = Run::new(None, 32, 10 * 32);
+    run.epochs = 2;
+    let (single, _) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    run.replicas = Some(4);
+    let (ddp, report) = run_training(model, SgdConfig::new().init(), 0.1, &run).unwrap();
+    assert_trained_and_equal(&initial, &single, &ddp);
+    assert_eq!(report.unwrap().epochs.len(), 2);
+}
+
+#[test]
+fn the_lr_scheduler_steps_once_per_optimizer_step_not_once_per_replica() {
+    // A decaying schedule: stepping it twice per step (once per replica) would change the result.
+    let schedule = || {
+        ExponentialLrSchedulerConfig::new(0.2, 0.9)
+            .init()
+            .expect("valid schedule")
+    };
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let (single, _) = run_training(
+        model.clone(),
+        SgdConfig::new().init(),
+        schedule(),
+        &Run::new(None, 32, 20 * 32),
+    )
+    .unwrap();
+    let (ddp, _) = run_training(
+        model,
+        SgdConfig::new().init(),
+        schedule(),
+        &Run::new(Some(2), 32, 20 * 32),
+    )
+    .unwrap();
+    assert_trained_and_equal(&initial, &single, &ddp);
+}
+
+#[test]
+fn gradient_accumulation_syncs_once_per_optimizer_step() {
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let mut run = Run::new(None, 32, 20 * 32);
+    run.grad_accumulation = Some(2);
+    let (single, _) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    run.replicas = Some(2);
+    let (ddp, report) = run_training(model, SgdConfig::new().init(), 0.1, &run).unwrap();
+    assert_trained_and_equal(&initial, &single, &ddp);
+    let report = report.unwrap();
+    assert_eq!(report.epochs[0].steps, 10, "20 batches, accumulated by 2");
+    for rank in &report.ranks {
+        assert_eq!(rank.batches, 20);
+        assert_eq!(rank.comm.steps, 10, "one gradient sync per optimizer step");
+    }
+}

@@ -1,0 +1,268 @@
+//! Failures are errors that name the rank, never hangs.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
+use burn::data::dataloader::batcher::Batcher;
+use burn::module::Module;
+use burn::optim::SgdConfig;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep};
+use burn::train::logger::InMemoryMetricLogger;
+use burn::backend::NdArray;
+use burn_ddp::{
+    DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataParallel, ProcessGroup,
+    ThreadGroup,
+};
+use burn_ddp_tests::{
+    Batch, DeeperMlp, ItemBatcher, Mlp, Run, SilentRenderer, TestBackend, device, materialized,
+    run_training, synthetic_dataset,
+};
+
+#[test]
+fn replicas_that_differ_fail_on_every_rank_before_the_first_all_reduce() {
+    let groups = ThreadGroup::new_group(2).unwrap();
+    let results: Vec<Result<(), DdpError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|group| {
+                s.spawn(move || {
+                    let rank = group.rank();
+                    let group: Arc<dyn ProcessGroup> = Arc::new(group);
+                    let config = DdpConfig::default().with_timeout(Duration::from_secs(10));
+                    if rank == 0 {
+                        let model = Mlp::<TestBackend>::new(&device());
+                        DistributedDataParallel::new(group, model, &device(), config).map(|_| ())
+                    } else {
+                        let model = DeeperMlp::<TestBackend>::new(&device());
+                        DistributedDataParallel::new(group, model, &device(), config).map(|_| ())
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Err(DdpError::ReplicaMismatch { rank: r, detail }) => {
+                assert_eq!(r, rank);
+                assert!(detail.contains("tensor #4"), "{detail}");
+                assert!(detail.contains("rank 0 has no such tensor"), "{detail}");
+                assert!(detail.contains("rank 1 has a parameter of shape"), "{detail}");
+                if rank == 1 {
+                    assert!(detail.contains("`extra.weight`"), "{detail}");
+                }
+            }
+            other => panic!("rank {rank}: expected ReplicaMismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_calls_the_all_reduce_is_named_within_the_timeout() {
+    let timeout = Duration::from_secs(2);
+    let groups = ThreadGroup::new_group(2).unwrap();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let done_rx = std::sync::Mutex::new(done_rx);
+    let results: Vec<Option<(Result<(), DdpError>, Duration)>> = std::thread::scope(|s| {
+        let done_rx = &done_rx;
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|group| {
+                let done_tx = done_tx.clone();
+                s.spawn(move || {
+                    let rank = group.rank();
+                    let group: Arc<dyn ProcessGroup> = Arc::new(group);
+                    let config = DdpConfig::default().with_timeout(timeout);
+                    let model = Mlp::<TestBackend>::new(&device());
+                    let (mut ddp, model) =
+                        DistributedDataParallel::new(group, model, &device(), config).unwrap();
+                    if rank == 1 {
+                        // Alive but stuck: never calls the all-reduce; bounded wait for rank 0.
+                        if let Ok(rx) = done_rx.lock() {
+                            let _ = rx.recv_timeout(Duration::from_secs(20));
+                        }
+                        return None;
+                    }
+                    let data = synthetic_dataset(8, 1);
+                    let batch: Batch<TestBackend> = ItemBatcher.batch(data, &device());
+                    let output = TrainStep::step(&model, batch);
+                    let started = Instant::now();
+                    let result = ddp.sync_gradients(output.grads).map(|_| ());
+                    let elapsed = started.elapsed();
+                    let _ = done_tx.send(());
+                    Some((result, elapsed))
+                })
+            })
+            .collect();
+        drop(done_tx);
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (result, elapsed) = results[0].clone().expect("rank 0 reports");
+    assert!(
+        elapsed >= timeout && elapsed < timeout + Duration::from_secs(2),
+        "rank 0 waited {elapsed:?} for a {timeout:?} timeout"
+    );
+    match result {
+        Err(DdpError::Timeout {
+            rank: 0,
+            missing,
+            op,
+            ..
+        }) => {
+            assert_eq!(missing, vec![1]);
+            assert_eq!(op.name(), "all_reduce");
+        }
+        other => panic!("expected a timeout naming rank 1, got {other:?}"),
+    }
+}
+
+/// An MLP whose third training step panics on rank 1.
+#[derive(Module, Debug)]
+pub struct Panicky<B: Backend> {
+    inner: Mlp<B>,
+}
+
+thread_local! {
+    static STEPS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl<B: AutodiffBackend> TrainStep for Panicky<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let step = STEPS.with(|s| {
+            s.set(s.get() + 1);
+            s.get()
+        });
+        if step == 3 && std::thread::current().name() == Some("burn-ddp-rank-1") {
+            panic!("boom in the model at step {step}");
+        }
+        TrainStep::step(&self.inner, batch)
+    }
+}
+
+impl<B: Backend> InferenceStep for Panicky<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
+
+#[test]
+fn a_panicking_replica_stops_every_rank_and_is_named() {
+    let started = Instant::now();
+    let model = materialized(Panicky {
+        inner: Mlp::new(&device()),
+    });
+    let mut run = Run::new(Some(2), 16, 20 * 16);
+    // The backstop timeout is long: the failure must be reported at once, not by a timeout.
+    run.config = DdpConfig::default().with_timeout(Duration::from_secs(120));
+    let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
+    match err {
+        DdpError::WorkerPanicked { rank, message } => {
+            assert_eq!(rank, 1);
+            assert!(message.contains("boom in the model at step 3"), "{message}");
+        }
+        other => panic!("expected WorkerPanicked on rank 1, got {other}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
+}
+
+/// A loader whose slices have different numbers of batches: 3 for the slice at 0, 2 elsewhere.
+struct UnevenLoader {
+    batches: usize,
+}
+
+struct UnevenIter {
+    left: usize,
+    total: usize,
+}
+
+impl Iterator for UnevenIter {
+    type Item = Batch<TestBackend>;
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        Some(ItemBatcher.batch(synthetic_dataset(4, self.left as u64), &device()))
+    }
+}
+
+impl DataLoaderIterator<Batch<TestBackend>> for UnevenIter {
+    fn progress(&self) -> Progress {
+        Progress::new((self.total - self.left) * 4, self.total * 4)
+    }
+}
+
+impl DataLoader<TestBackend, Batch<TestBackend>> for UnevenLoader {
+    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<Batch<TestBackend>> + 'a> {
+        Box::new(UnevenIter {
+            left: self.batches,
+            total: self.batches,
+        })
+    }
+    fn num_items(&self) -> usize {
+        self.batches * 4 * 2
+    }
+    fn to_device(&self, _device: &burn::tensor::Device<TestBackend>) -> Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> {
+        Arc::new(UnevenLoader { batches: self.batches })
+    }
+    fn slice(&self, start: usize, _end: usize) -> Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> {
+        Arc::new(UnevenLoader {
+            batches: if start == 0 { 3 } else { 2 },
+        })
+    }
+}
+
+#[test]
+fn uneven_batches_are_an_error_naming_the_ranks_not_a_hang() {
+    let model = materialized(Mlp::<TestBackend>::new(&device()));
+    let learner = Learner::new(model, SgdConfig::new().init(), 0.05);
+    let valid: Arc<dyn DataLoader<NdArray, Batch<NdArray>>> =
+        burn::data::dataloader::DataLoaderBuilder::new(ItemBatcher)
+            .batch_size(4)
+            .build(burn::data::dataset::InMemDataset::new(synthetic_dataset(8, 2)));
+    let training = SupervisedTraining::new(
+        std::env::temp_dir().join("burn-ddp-tests-uneven"),
+        Arc::new(UnevenLoader { batches: 3 }),
+        valid,
+    )
+    .renderer(SilentRenderer)
+    .with_metric_logger(InMemoryMetricLogger::new())
+    .with_application_logger(None);
+    let strategy = DdpStrategy::new(vec![device(); 2]);
+    let Err(err) = training.launch_ddp(learner, strategy) else {
+        panic!("uneven data must fail");
+    };
+    match err {
+        DdpError::UnevenData {
+            step,
+            exhausted,
+            remaining,
+            ..
+        } => {
+            assert_eq!(step, 2, "ranks agree for steps 0 and 1");
+            assert_eq!(exhausted, vec![1]);
+            assert_eq!(remaining, vec![0]);
+        }
+        other => panic!("expected UnevenData, got {other}"),
+    }
+}
+
+#[test]
+fn no_devices_and_bad_configuration_are_errors() {
+    let model = materialized(Mlp::<TestBackend>::new(&device()));
+    let mut run = Run::new(Some(2), 16, 64);
+    run.config = DdpConfig::default().with_bucket_cap_bytes(0);
+    let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
+    assert!(matches!(err, DdpError::InvalidConfig(ref m) if m.contains("bucket_cap_bytes")), "{err}");
+}

@@ -1,0 +1,8 @@
+//! burn-ddp's integration tests: one test binary, one module per concern.
+//!
+//! Multi-rank runs are threads of this process (ThreadGroup); every wait is bounded by a timeout.
+
+mod equivalence;
+mod failures;
+mod replicas;
+mod sampling;

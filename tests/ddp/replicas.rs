@@ -1,0 +1,160 @@
+//! Replicas stay bit-identical: rank 0's values are broadcast at start, every step's averaged
+//! gradients are the same bits on every rank, and buffers are kept in sync.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn_ddp::{
+    DdpConfig, DdpError, DistributedDataParallel, ProcessGroup, ThreadGroup, value_fingerprint,
+};
+use burn_ddp_tests::{
+    Batch, BnCnn, ItemBatcher, Mlp, Run, TestBackend, device, materialized, run_training,
+    synthetic_dataset,
+};
+use burn::data::dataloader::batcher::Batcher;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+#[test]
+fn independently_built_replicas_hold_identical_parameters_and_buffers_after_every_step() {
+    // Each thread builds its own model (different random initial values, separate BatchNorm
+    // state); DistributedDataParallel must make and keep them bit-identical.
+    let groups = ThreadGroup::new_group(2).unwrap();
+    let data = synthetic_dataset(20 * 16, 3);
+    let fingerprints: Vec<Vec<u64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|group| {
+                let data = &data;
+                s.spawn(move || {
+                    let rank = group.rank();
+                    let group: Arc<dyn ProcessGroup> = Arc::new(group);
+                    let model = BnCnn::<TestBackend>::new(&device());
+                    let before = value_fingerprint(&model);
+                    let (mut ddp, mut model) =
+                        DistributedDataParallel::new(group.clone(), model, &device(), DdpConfig::default())
+                            .unwrap();
+                    let mut optim = AdamConfig::new().init();
+                    let mut seen = vec![before, value_fingerprint(&model)];
+                    for step in 0..20 {
+                        // Rank r's shard: the r-th half of this step's 16 samples.
+                        let shard = data[step * 16 + rank * 8..step * 16 + rank * 8 + 8].to_vec();
+                        let batch: Batch<TestBackend> = ItemBatcher.batch(shard, &device());
+                        let output = TrainStep::step(&model, batch);
+                        let grads = ddp.sync_gradients(output.grads).unwrap();
+                        model = optim.step(1e-2, model, grads);
+                        model = ddp.sync_buffers(model).unwrap();
+                        let fingerprint = value_fingerprint(&model);
+                        // Every rank must hold the same bits after every step.
+                        let all = group.all_gather(&[fingerprint], TIMEOUT).unwrap();
+                        assert_eq!(all[0], all[1], "step {step}: replicas differ");
+                        ddp.check_consistency(&model, step as u64).unwrap();
+                        seen.push(fingerprint);
+                    }
+                    seen
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The replicas started different, and training changed them.
+    assert_ne!(fingerprints[0][0], fingerprints[1][0], "initial replicas should differ");
+    assert_eq!(fingerprints[0][1], fingerprints[1][1], "broadcast must equalise them");
+    assert_ne!(fingerprints[0][1], fingerprints[0][21], "training must change the values");
+}
+
+#[test]
+fn the_strategy_keeps_replicas_identical_at_every_step() {
+    // The consistency check runs after every optimizer step and fails on any difference.
+    let mut run = Run::new(Some(2), 16, 20 * 16);
+    run.config = DdpConfig::default().with_consistency_check_every(1);
+    let model = materialized(BnCnn::new(&device()));
+    let (_, report) = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap();
+    assert_eq!(report.unwrap().epochs[0].steps, 20);
+}
+
+/// An MLP whose optimizer step adds 1e-3 to its first weight on rank 1 only: a replica that
+/// drifts, which the consistency check must catch.
+#[derive(Module, Debug)]
+pub struct Drifting<B: Backend> {
+    inner: Mlp<B>,
+}
+
+struct AddToFirst(bool);
+
+impl<B: Backend> ModuleMapper<B> for AddToFirst {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let tensor = if std::mem::take(&mut self.0) {
+            let grad = tensor.is_require_grad();
+            let data = tensor.clone().add_scalar(1e-3).into_data();
+            let t = Tensor::from_data(data, &tensor.device());
+            if grad { t.require_grad() } else { t }
+        } else {
+            tensor
+        };
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for Drifting<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let output = TrainStep::step(&self.inner, batch);
+        TrainOutput {
+            grads: output.grads,
+            item: output.item,
+        }
+    }
+
+    fn optimize<B2, O>(self, optim: &mut O, lr: f64, grads: GradientsParams) -> Self
+    where
+        B2: AutodiffBackend,
+        O: Optimizer<Self, B2>,
+        Self: burn::module::AutodiffModule<B2>,
+    {
+        let model = optim.step(lr, self, grads);
+        let on_rank_1 = std::thread::current().name() == Some("burn-ddp-rank-1");
+        model.map(&mut AddToFirst(on_rank_1))
+    }
+}
+
+impl<B: Backend> InferenceStep for Drifting<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
+
+#[test]
+fn a_drifting_replica_is_named_by_the_consistency_check() {
+    let mut run = Run::new(Some(2), 16, 20 * 16);
+    run.config = DdpConfig::default().with_consistency_check_every(5);
+    let model = materialized(Drifting {
+        inner: Mlp::new(&device()),
+    });
+    let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
+    match err {
+        DdpError::ReplicasDiverged {
+            step,
+            tensor,
+            ranks,
+            ..
+        } => {
+            assert_eq!(step, 5, "the first check runs after step 5");
+            assert_eq!(ranks, vec![1]);
+            assert!(tensor.contains("inner.fc1.weight"), "{tensor}");
+        }
+        other => panic!("expected ReplicasDiverged, got {other}"),
+    }
+}
