@@ -43,3 +43,8 @@ pub use replica::{
 };
 pub use sampler::{DistributedDataLoader, DistributedSampler};
 pub use strategy::{DdpStrategy, DdpTraining};
+
+/// The README's code blocks, compiled as doc-tests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

@@ -205,7 +205,8 @@ impl Reducer {
             let flat = Tensor::cat(parts, 0);
             let flattened = Instant::now();
 
-            let (flat, presence) = self.all_reduce_bucket::<B>(flat, bucket, device, bucket_index)?;
+            let (flat, presence) =
+                self.all_reduce_bucket::<B>(flat, bucket, device, bucket_index)?;
             let reduced = Instant::now();
 
             for (j, &p) in bucket.params.iter().enumerate() {

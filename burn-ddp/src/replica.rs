@@ -176,11 +176,7 @@ impl ReplicaLayout {
 
     fn encode(&self, count: usize) -> Vec<u64> {
         let mut out = vec![ABSENT; count * WORDS_PER_TENSOR];
-        for (t, words) in self
-            .tensors
-            .iter()
-            .zip(out.chunks_mut(WORDS_PER_TENSOR))
-        {
+        for (t, words) in self.tensors.iter().zip(out.chunks_mut(WORDS_PER_TENSOR)) {
             words[0] = matches!(t.kind, TensorKind::Parameter) as u64;
             words[1] = t.shape.len() as u64;
             words[2] = t.numel() as u64;
@@ -468,6 +464,7 @@ impl<B: Backend> ModuleVisitor<B> for Fingerprints {
             word[..c.len()].copy_from_slice(c);
             u64::from_le_bytes(word)
         });
-        self.hashes.push(fnv(words.chain(std::iter::once(bytes.len() as u64))));
+        self.hashes
+            .push(fnv(words.chain(std::iter::once(bytes.len() as u64))));
     }
 }

@@ -209,7 +209,9 @@ where
         device: B::Device,
     ) -> Result<Self> {
         if batch_size == 0 {
-            return Err(DdpError::InvalidConfig("batch size must be positive, got 0".into()));
+            return Err(DdpError::InvalidConfig(
+                "batch size must be positive, got 0".into(),
+            ));
         }
         if sampler.dataset_len() != dataset.len() {
             return Err(DdpError::InvalidConfig(format!(

@@ -21,9 +21,9 @@ use burn::train::metric::store::EventStoreClient;
 use burn::train::{
     CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
     LearnerEvent, LearningCheckpointer, LearningComponentsTypes, LearningResult,
-    SupervisedLearningStrategy, SupervisedTraining, SupervisedTrainingEventProcessor,
-    TrainLoader, TrainStep, TrainingBackend, TrainingComponents, TrainingItem, TrainingModel,
-    TrainingStrategy, ValidLoader,
+    SupervisedLearningStrategy, SupervisedTraining, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainStep, TrainingBackend, TrainingComponents, TrainingItem, TrainingModel, TrainingStrategy,
+    ValidLoader,
 };
 
 use crate::ddp::DistributedDataParallel;
@@ -167,9 +167,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
     ) -> Result<LearningResult<InferenceModel<LC>>> {
         strategy.on_error = OnError::Record;
         let handle = strategy.clone();
-        let result = self
-            .with_training_strategy(strategy.into())
-            .launch(learner);
+        let result = self.with_training_strategy(strategy.into()).launch(learner);
         match handle.take_error() {
             Some(err) => Err(err),
             None => Ok(result),
@@ -178,7 +176,9 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// What rank 0 holds besides its replica: burn-train's components and the other ranks' items.
@@ -403,7 +403,7 @@ fn split_train_loader<LC: LearningComponentsTypes>(
             "the training set has {items} items, fewer than the {world_size} replicas"
         )));
     }
-    if items % world_size != 0 {
+    if !items.is_multiple_of(world_size) {
         tracing::warn!(
             "burn-ddp: {items} training items do not divide between {world_size} replicas; the \
              last {} are not used (use DistributedDataLoader to pad instead)",
@@ -461,9 +461,8 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             ..RankReport::default()
         };
         let mut model_out = None;
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            self.train(&mut report, &mut model_out)
-        }));
+        let result =
+            std::panic::catch_unwind(AssertUnwindSafe(|| self.train(&mut report, &mut model_out)));
         let result = match result {
             Ok(result) => result,
             Err(payload) => {
@@ -572,7 +571,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     steps += 1;
                     total_steps += 1;
                     let every = self.config.consistency_check_every();
-                    if every > 0 && total_steps % every == 0 {
+                    if every > 0 && total_steps.is_multiple_of(every) {
                         ddp.check_consistency(&self.learner.model(), total_steps)?;
                     }
                 }
@@ -620,12 +619,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     train_time,
                 });
                 if !stop {
-                    validate::<LC>(
-                        &self.learner,
-                        leader,
-                        &progress_global,
-                        &self.interrupter,
-                    );
+                    validate::<LC>(&self.learner, leader, &progress_global, &self.interrupter);
                     if let Some(checkpointer) = &mut leader.checkpointer {
                         checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
                     }

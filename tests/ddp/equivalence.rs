@@ -12,7 +12,10 @@ const TOLERANCE: f32 = 1e-5;
 
 fn assert_trained_and_equal(initial: &[Vec<f32>], single: &[Vec<f32>], ddp: &[Vec<f32>]) {
     let moved = max_relative_difference(single, initial);
-    assert!(moved > 1e-3, "training did not change the parameters (moved {moved})");
+    assert!(
+        moved > 1e-3,
+        "training did not change the parameters (moved {moved})"
+    );
     let diff = max_relative_difference(ddp, single);
     assert!(
         diff <= TOLERANCE,

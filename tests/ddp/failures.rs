@@ -4,15 +4,17 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
+use burn::backend::NdArray;
 use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::module::Module;
 use burn::optim::SgdConfig;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep};
 use burn::train::logger::InMemoryMetricLogger;
-use burn::backend::NdArray;
+use burn::train::{
+    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+};
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataParallel, ProcessGroup,
     ThreadGroup,
@@ -51,7 +53,10 @@ fn replicas_that_differ_fail_on_every_rank_before_the_first_all_reduce() {
                 assert_eq!(r, rank);
                 assert!(detail.contains("tensor #4"), "{detail}");
                 assert!(detail.contains("rank 0 has no such tensor"), "{detail}");
-                assert!(detail.contains("rank 1 has a parameter of shape"), "{detail}");
+                assert!(
+                    detail.contains("rank 1 has a parameter of shape"),
+                    "{detail}"
+                );
                 if rank == 1 {
                     assert!(detail.contains("`extra.weight`"), "{detail}");
                 }
@@ -155,7 +160,6 @@ impl<B: Backend> InferenceStep for Panicky<B> {
     }
 }
 
-
 #[test]
 fn a_panicking_replica_stops_every_rank_and_is_named() {
     let started = Instant::now();
@@ -173,7 +177,11 @@ fn a_panicking_replica_stops_every_rank_and_is_named() {
         }
         other => panic!("expected WorkerPanicked on rank 1, got {other}"),
     }
-    assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
+    );
 }
 
 /// A loader whose slices have different numbers of batches: 3 for the slice at 0, 2 elsewhere.
@@ -213,10 +221,19 @@ impl DataLoader<TestBackend, Batch<TestBackend>> for UnevenLoader {
     fn num_items(&self) -> usize {
         self.batches * 4 * 2
     }
-    fn to_device(&self, _device: &burn::tensor::Device<TestBackend>) -> Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> {
-        Arc::new(UnevenLoader { batches: self.batches })
+    fn to_device(
+        &self,
+        _device: &burn::tensor::Device<TestBackend>,
+    ) -> Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> {
+        Arc::new(UnevenLoader {
+            batches: self.batches,
+        })
     }
-    fn slice(&self, start: usize, _end: usize) -> Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> {
+    fn slice(
+        &self,
+        start: usize,
+        _end: usize,
+    ) -> Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> {
         Arc::new(UnevenLoader {
             batches: if start == 0 { 3 } else { 2 },
         })
@@ -230,7 +247,9 @@ fn uneven_batches_are_an_error_naming_the_ranks_not_a_hang() {
     let valid: Arc<dyn DataLoader<NdArray, Batch<NdArray>>> =
         burn::data::dataloader::DataLoaderBuilder::new(ItemBatcher)
             .batch_size(4)
-            .build(burn::data::dataset::InMemDataset::new(synthetic_dataset(8, 2)));
+            .build(burn::data::dataset::InMemDataset::new(synthetic_dataset(
+                8, 2,
+            )));
     let training = SupervisedTraining::new(
         std::env::temp_dir().join("burn-ddp-tests-uneven"),
         Arc::new(UnevenLoader { batches: 3 }),
@@ -264,5 +283,8 @@ fn no_devices_and_bad_configuration_are_errors() {
     let mut run = Run::new(Some(2), 16, 64);
     run.config = DdpConfig::default().with_bucket_cap_bytes(0);
     let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
-    assert!(matches!(err, DdpError::InvalidConfig(ref m) if m.contains("bucket_cap_bytes")), "{err}");
+    assert!(
+        matches!(err, DdpError::InvalidConfig(ref m) if m.contains("bucket_cap_bytes")),
+        "{err}"
+    );
 }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use burn::data::dataloader::batcher::Batcher;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
@@ -16,7 +17,6 @@ use burn_ddp_tests::{
     Batch, BnCnn, ItemBatcher, Mlp, Run, TestBackend, device, materialized, run_training,
     synthetic_dataset,
 };
-use burn::data::dataloader::batcher::Batcher;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -36,9 +36,13 @@ fn independently_built_replicas_hold_identical_parameters_and_buffers_after_ever
                     let group: Arc<dyn ProcessGroup> = Arc::new(group);
                     let model = BnCnn::<TestBackend>::new(&device());
                     let before = value_fingerprint(&model);
-                    let (mut ddp, mut model) =
-                        DistributedDataParallel::new(group.clone(), model, &device(), DdpConfig::default())
-                            .unwrap();
+                    let (mut ddp, mut model) = DistributedDataParallel::new(
+                        group.clone(),
+                        model,
+                        &device(),
+                        DdpConfig::default(),
+                    )
+                    .unwrap();
                     let mut optim = AdamConfig::new().init();
                     let mut seen = vec![before, value_fingerprint(&model)];
                     for step in 0..20 {
@@ -63,9 +67,18 @@ fn independently_built_replicas_hold_identical_parameters_and_buffers_after_ever
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     // The replicas started different, and training changed them.
-    assert_ne!(fingerprints[0][0], fingerprints[1][0], "initial replicas should differ");
-    assert_eq!(fingerprints[0][1], fingerprints[1][1], "broadcast must equalise them");
-    assert_ne!(fingerprints[0][1], fingerprints[0][21], "training must change the values");
+    assert_ne!(
+        fingerprints[0][0], fingerprints[1][0],
+        "initial replicas should differ"
+    );
+    assert_eq!(
+        fingerprints[0][1], fingerprints[1][1],
+        "broadcast must equalise them"
+    );
+    assert_ne!(
+        fingerprints[0][1], fingerprints[0][21],
+        "training must change the values"
+    );
 }
 
 #[test]
@@ -134,7 +147,6 @@ impl<B: Backend> InferenceStep for Drifting<B> {
         InferenceStep::step(&self.inner, batch)
     }
 }
-
 
 #[test]
 fn a_drifting_replica_is_named_by_the_consistency_check() {

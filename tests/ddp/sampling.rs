@@ -22,7 +22,12 @@ impl Batcher<NdArray, usize, Vec<usize>> for Ids {
     }
 }
 
-fn loader(len: usize, world_size: usize, batch: usize, drop_last: bool) -> Arc<dyn DataLoader<NdArray, Vec<usize>>> {
+fn loader(
+    len: usize,
+    world_size: usize,
+    batch: usize,
+    drop_last: bool,
+) -> Arc<dyn DataLoader<NdArray, Vec<usize>>> {
     let sampler = DistributedSampler::new(len, world_size)
         .unwrap()
         .with_seed(11)
@@ -41,9 +46,14 @@ fn loader(len: usize, world_size: usize, batch: usize, drop_last: bool) -> Arc<d
 }
 
 /// Splits like DdpStrategy does: equal contiguous slices.
-fn shards(loader: &Arc<dyn DataLoader<NdArray, Vec<usize>>>, n: usize) -> Vec<Arc<dyn DataLoader<NdArray, Vec<usize>>>> {
+fn shards(
+    loader: &Arc<dyn DataLoader<NdArray, Vec<usize>>>,
+    n: usize,
+) -> Vec<Arc<dyn DataLoader<NdArray, Vec<usize>>>> {
     let per_rank = loader.num_items() / n;
-    (0..n).map(|r| loader.slice(r * per_rank, (r + 1) * per_rank)).collect()
+    (0..n)
+        .map(|r| loader.slice(r * per_rank, (r + 1) * per_rank))
+        .collect()
 }
 
 #[test]
@@ -91,7 +101,13 @@ fn the_strategy_gives_every_rank_the_same_number_of_batches() {
     // Through DdpStrategy with the padded DistributedDataLoader: 11 samples, 2 ranks, batch 5
     // per rank: 2 steps on each rank.
     let model = materialized(Mlp::new(&device()));
-    let (_, report) = run_training(model, SgdConfig::new().init(), 0.05, &Run::new(Some(2), 10, 11)).unwrap();
+    let (_, report) = run_training(
+        model,
+        SgdConfig::new().init(),
+        0.05,
+        &Run::new(Some(2), 10, 11),
+    )
+    .unwrap();
     let report = report.unwrap();
     assert_eq!(report.epochs[0].steps, 2);
     assert_eq!(report.ranks[0].batches, 2);
@@ -102,8 +118,8 @@ fn the_strategy_gives_every_rank_the_same_number_of_batches() {
 fn a_plain_burn_loader_is_split_into_equal_shards() {
     // Burn's own loader with 11 items and batch 5: the strategy drops the odd item so both
     // ranks get 5 items, one batch each, instead of 5 and 6 (one rank waiting for a batch).
-    use burn::train::{Learner, SupervisedTraining};
     use burn::train::logger::InMemoryMetricLogger;
+    use burn::train::{Learner, SupervisedTraining};
     use burn_ddp::{DdpStrategy, DdpTraining};
     use burn_ddp_tests::{ItemBatcher, SilentRenderer, synthetic_dataset};
 
@@ -119,12 +135,16 @@ fn a_plain_burn_loader_is_split_into_equal_shards() {
     let learner = Learner::new(model, SgdConfig::new().init(), 0.05);
     let strategy = DdpStrategy::new(vec![device(); 2]);
     let handle = strategy.clone();
-    SupervisedTraining::new(std::env::temp_dir().join("burn-ddp-tests-plain"), train, valid)
-        .renderer(SilentRenderer)
-        .with_metric_logger(InMemoryMetricLogger::new())
-        .with_application_logger(None)
-        .launch_ddp(learner, strategy)
-        .unwrap();
+    SupervisedTraining::new(
+        std::env::temp_dir().join("burn-ddp-tests-plain"),
+        train,
+        valid,
+    )
+    .renderer(SilentRenderer)
+    .with_metric_logger(InMemoryMetricLogger::new())
+    .with_application_logger(None)
+    .launch_ddp(learner, strategy)
+    .unwrap();
     let report = handle.report();
     assert_eq!(report.ranks[0].batches, 1);
     assert_eq!(report.ranks[1].batches, 1);

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoader;
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -17,11 +17,11 @@ use burn::optim::lr_scheduler::LrScheduler;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::logger::InMemoryMetricLogger;
+use burn::train::metric::MetricDefinition;
 use burn::train::renderer::{
     EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
     MetricsRendererTraining, ProgressType, TrainingProgress,
 };
-use burn::train::metric::MetricDefinition;
 use burn::train::{
     ClassificationOutput, ExecutionStrategy, InferenceStep, Learner, SupervisedTraining,
     TrainOutput, TrainStep,
@@ -75,7 +75,9 @@ impl<B: Backend> Batcher<B, Item, Batch<B>> for ItemBatcher {
 /// A deterministic, learnable dataset of `len` samples (the class is the argmax of a fixed linear
 /// map of the features).
 pub fn synthetic_dataset(len: usize, seed: u64) -> Vec<Item> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let mut next = move || {
         state = state
             .wrapping_mul(6364136223846793005)
@@ -120,7 +122,8 @@ impl<B: Backend> Mlp<B> {
     }
 
     fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.fc2.forward(self.activation.forward(self.fc1.forward(inputs)))
+        self.fc2
+            .forward(self.activation.forward(self.fc1.forward(inputs)))
     }
 }
 
@@ -168,12 +171,17 @@ impl<B: Backend> BnCnn<B> {
     fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
         let [n, _] = inputs.dims();
         let x = inputs.reshape([n, 1, 4, 4]);
-        let x = self.activation.forward(self.norm.forward(self.conv.forward(x)));
+        let x = self
+            .activation
+            .forward(self.norm.forward(self.conv.forward(x)));
         self.fc.forward(x.reshape([n, 4 * FEATURES]))
     }
 }
 
-fn classify<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> ClassificationOutput<B> {
+fn classify<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+) -> ClassificationOutput<B> {
     let loss = CrossEntropyLossConfig::new()
         .init(&logits.device())
         .forward(logits.clone(), targets.clone());
@@ -205,8 +213,6 @@ macro_rules! classifier_steps {
 
 classifier_steps!(Mlp);
 classifier_steps!(BnCnn);
-
-
 
 /// A renderer that shows nothing (tests read results, not progress).
 pub struct SilentRenderer;
@@ -250,11 +256,11 @@ pub fn max_relative_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .zip(b)
         .map(|(x, y)| {
             assert_eq!(x.len(), y.len(), "tensors of different sizes");
-            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-            x.iter()
-                .zip(y)
-                .fold(0f32, |m, (p, q)| m.max((p - q).abs()))
-                / scale
+            let scale = y
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs()))
+                .max(f32::MIN_POSITIVE);
+            x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale
         })
         .fold(0f32, f32::max)
 }
@@ -301,16 +307,18 @@ pub type Trained = (Vec<Vec<f32>>, Option<TrainingReport>);
 /// `DdpStrategy`, and returns the trained model's float tensors. The training loader is a
 /// `DistributedDataLoader` built for the run's world size, so every run sees the same samples per
 /// optimizer step.
-pub fn run_training<M, O, S>(model: M, optimizer: O, scheduler: S, run: &Run) -> Result<Trained, DdpError>
+pub fn run_training<M, O, S>(
+    model: M,
+    optimizer: O,
+    scheduler: S,
+    run: &Run,
+) -> Result<Trained, DdpError>
 where
     M: TrainStep<Input = Batch<TestBackend>, Output = ClassificationOutput<TestBackend>>
         + AutodiffModule<TestBackend>
         + core::fmt::Display
         + 'static,
-    M::InnerModule: InferenceStep<
-            Input = Batch<NdArray>,
-            Output = ClassificationOutput<NdArray>,
-        >,
+    M::InnerModule: InferenceStep<Input = Batch<NdArray>, Output = ClassificationOutput<NdArray>>,
     O: Optimizer<M, TestBackend> + 'static,
     S: LrScheduler + 'static,
 {
@@ -318,15 +326,14 @@ where
     let world_size = run.replicas.unwrap_or(1);
     let items = Arc::new(InMemDataset::new(synthetic_dataset(run.samples, 99)));
     let sampler = DistributedSampler::new(run.samples, world_size)?.with_seed(run.seed);
-    let train: Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> = Arc::new(
-        DistributedDataLoader::new(
+    let train: Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> =
+        Arc::new(DistributedDataLoader::new(
             items.clone(),
             ItemBatcher,
             sampler,
             run.global_batch / world_size,
             device,
-        )?,
-    );
+        )?);
     let valid_sampler = DistributedSampler::new(run.samples.min(64), 1)?.without_shuffle();
     let valid_items = Arc::new(InMemDataset::new(synthetic_dataset(run.samples.min(64), 5)));
     let valid: Arc<dyn DataLoader<NdArray, Batch<NdArray>>> = Arc::new(DistributedDataLoader::new(

@@ -491,7 +491,10 @@ impl ProcessGroup for ThreadGroup {
 
     fn abort(&self, reason: &str) {
         let mut st = self.lock();
-        abort_locked(&mut st, &format!("rank {} aborted the group: {reason}", self.rank));
+        abort_locked(
+            &mut st,
+            &format!("rank {} aborted the group: {reason}", self.rank),
+        );
         self.shared.changed.notify_all();
     }
 }
@@ -527,10 +530,7 @@ mod tests {
     const T: Duration = Duration::from_secs(10);
 
     /// Runs `f(rank, group)` on one thread per rank and returns the results in rank order.
-    fn run<R: Send>(
-        world_size: usize,
-        f: impl Fn(usize, ThreadGroup) -> R + Sync,
-    ) -> Vec<R> {
+    fn run<R: Send>(world_size: usize, f: impl Fn(usize, ThreadGroup) -> R + Sync) -> Vec<R> {
         let groups = ThreadGroup::new_group(world_size).unwrap();
         thread::scope(|s| {
             let handles: Vec<_> = groups
@@ -564,7 +564,11 @@ mod tests {
                     expected += input(r, i);
                 }
                 for (rank, (sum, avg)) in results.iter().enumerate() {
-                    assert_eq!(sum[i].to_bits(), expected.to_bits(), "n {n} rank {rank} i {i}");
+                    assert_eq!(
+                        sum[i].to_bits(),
+                        expected.to_bits(),
+                        "n {n} rank {rank} i {i}"
+                    );
                     assert_eq!(
                         avg[i].to_bits(),
                         (expected / n as f32).to_bits(),
@@ -608,11 +612,17 @@ mod tests {
                 return (g.barrier(timeout), Duration::ZERO);
             }
             let start = Instant::now();
-            (g.all_reduce(&mut buf, ReduceOp::Avg, timeout), start.elapsed())
+            (
+                g.all_reduce(&mut buf, ReduceOp::Avg, timeout),
+                start.elapsed(),
+            )
         });
         for (rank, (result, elapsed)) in results.iter().take(2).enumerate() {
             let err = result.as_ref().unwrap_err();
-            assert!(elapsed < &Duration::from_secs(3), "rank {rank} took {elapsed:?}");
+            assert!(
+                elapsed < &Duration::from_secs(3),
+                "rank {rank} took {elapsed:?}"
+            );
             match err {
                 // The first rank to time out names rank 2; the other may see the abort first.
                 DdpError::Timeout { missing, seq, .. } => {
