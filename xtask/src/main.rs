@@ -58,6 +58,24 @@ fn main() -> ExitCode {
 }
 
 fn run(mut command: Command) -> ExitCode {
+    // `cargo xtask` runs this binary through `cargo run`, which sets the xtask package's
+    // CARGO_PKG_*/CARGO_MANIFEST_* variables. Build scripts that watch them (ring's does) would
+    // then rebuild on every switch between `cargo xtask` and plain cargo: drop them.
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        if key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_MANIFEST_")
+            || [
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "OUT_DIR",
+            ]
+            .contains(&key.as_str())
+        {
+            command.env_remove(key);
+        }
+    }
     match command.status() {
         Ok(status) if status.success() => ExitCode::SUCCESS,
         Ok(status) => {
