@@ -141,6 +141,19 @@ pub enum DdpError {
         message: String,
     },
 
+    /// A rank did not stop within `waited` after another rank failed (its thread is stuck, e.g.
+    /// in user code that never returns); it was left running.
+    #[error(
+        "rank {rank} did not stop within {} s after the training failed; it is still running (stuck outside burn-ddp's collectives?) and was left behind",
+        waited.as_secs_f64()
+    )]
+    Unresponsive {
+        /// The rank that did not stop.
+        rank: usize,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+
     /// A gradient or bucket did not have the shape, length or type the layout expects.
     #[error("rank {rank}: bucket {bucket}: {detail}")]
     Bucket {
@@ -169,6 +182,7 @@ impl DdpError {
             | DdpError::ReplicasDiverged { rank, .. }
             | DdpError::UnevenData { rank, .. }
             | DdpError::WorkerPanicked { rank, .. }
+            | DdpError::Unresponsive { rank, .. }
             | DdpError::Bucket { rank, .. } => Some(*rank),
             DdpError::InvalidConfig(_) => None,
         }

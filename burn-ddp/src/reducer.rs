@@ -239,22 +239,26 @@ impl Reducer {
         bucket_index: usize,
     ) -> Result<(Tensor<B, 1>, Vec<f32>)> {
         let rank = self.group.rank();
-        let mut data = flat.into_data().convert::<f32>();
-        let values = data.as_mut_slice::<f32>().map_err(|e| DdpError::Bucket {
-            rank,
-            bucket: bucket_index,
-            detail: format!("flat bucket is not a contiguous f32 buffer: {e:?}"),
-        })?;
-        let expected = bucket.numel + bucket.params.len();
-        if values.len() != expected {
-            return Err(DdpError::Bucket {
+        let fail = |detail: String| {
+            let err = DdpError::Bucket {
                 rank,
                 bucket: bucket_index,
-                detail: format!(
-                    "flat bucket has {} elements, the layout expects {expected}",
-                    values.len()
-                ),
-            });
+                detail,
+            };
+            // The peers must not wait for this rank's all-reduce.
+            self.group.abort(&err.to_string());
+            err
+        };
+        let mut data = flat.into_data().convert::<f32>();
+        let values = data
+            .as_mut_slice::<f32>()
+            .map_err(|e| fail(format!("flat bucket is not a contiguous f32 buffer: {e:?}")))?;
+        let expected = bucket.numel + bucket.params.len();
+        if values.len() != expected {
+            return Err(fail(format!(
+                "flat bucket has {} elements, the layout expects {expected}",
+                values.len()
+            )));
         }
         self.group.all_reduce(values, ReduceOp::Avg, self.timeout)?;
         let presence = values[bucket.numel..].to_vec();
@@ -315,20 +319,18 @@ fn take_flat<B: Backend>(
             spec.shape.len()
         )
     };
-    let grad: Option<(Vec<usize>, Tensor<B, 1>)> = with_dims!(spec.shape.len(), D => {
-        grads.remove::<B, D>(spec.id).map(|g| {
-            let shape = g.shape().to_vec();
-            (shape, g.reshape([spec.numel()]))
-        })
-    }, else return Err(unsupported()));
-    match grad {
-        None => Ok(None),
-        Some((shape, _)) if shape != spec.shape => Err(format!(
-            "gradient of `{}` has shape {shape:?}, the parameter has shape {:?}",
-            spec.path, spec.shape
-        )),
-        Some((_, flat)) => Ok(Some(flat)),
-    }
+    with_dims!(spec.shape.len(), D => {
+        match grads.remove::<B, D>(spec.id) {
+            None => Ok(None),
+            Some(g) if g.shape().as_slice() != spec.shape.as_slice() => Err(format!(
+                "gradient of `{}` has shape {:?}, the parameter has shape {:?}",
+                spec.path,
+                g.shape().as_slice(),
+                spec.shape
+            )),
+            Some(g) => Ok(Some(g.reshape([spec.numel()]))),
+        }
+    }, else Err(unsupported()))
 }
 
 /// Registers a flat gradient under `spec`'s id with `spec`'s shape.

@@ -53,6 +53,8 @@ pub struct TensorSpec {
     pub kind: TensorKind,
     /// Shape, outermost dimension first.
     pub shape: Vec<usize>,
+    /// Bytes per element (4 for `f32`).
+    pub element_bytes: usize,
     /// Burn's parameter id (the key of `GradientsParams`).
     pub id: ParamId,
 }
@@ -71,8 +73,8 @@ pub struct ReplicaLayout {
 }
 
 /// Words per tensor in the layout exchange of [`ReplicaLayout::verify_across`]:
-/// kind, number of dimensions, number of elements, the first 8 dimensions.
-const WORDS_PER_TENSOR: usize = 11;
+/// kind, number of dimensions, number of elements, bytes per element, the first 8 dimensions.
+const WORDS_PER_TENSOR: usize = 12;
 const MAX_ENCODED_DIMS: usize = 8;
 const ABSENT: u64 = u64::MAX;
 
@@ -112,13 +114,14 @@ impl ReplicaLayout {
         self.tensors.iter().map(TensorSpec::numel).sum()
     }
 
-    /// A 64-bit FNV-1a hash of the tensors' kinds and shapes in order (not of their values, paths or
+    /// A 64-bit FNV-1a hash of the tensors' kinds, shapes and element sizes in order (not of their values, paths or
     /// ids, which legitimately differ between processes).
     pub fn fingerprint(&self) -> u64 {
         let words = self.tensors.iter().flat_map(|t| {
             [
                 matches!(t.kind, TensorKind::Parameter) as u64,
                 t.shape.len() as u64,
+                t.element_bytes as u64,
             ]
             .into_iter()
             .chain(t.shape.iter().map(|&d| d as u64))
@@ -128,7 +131,7 @@ impl ReplicaLayout {
 
     /// Checks that every rank of `group` has the same layout; every rank must call it.
     ///
-    /// Costs one all-gather of 2 `u64` when the layouts match, and a second one (11 `u64` per
+    /// Costs one all-gather of 2 `u64` when the layouts match, and a second one (12 `u64` per
     /// tensor) to find the first difference when they do not.
     ///
     /// # Errors
@@ -180,7 +183,8 @@ impl ReplicaLayout {
             words[0] = matches!(t.kind, TensorKind::Parameter) as u64;
             words[1] = t.shape.len() as u64;
             words[2] = t.numel() as u64;
-            for (slot, d) in words[3..]
+            words[3] = t.element_bytes as u64;
+            for (slot, d) in words[4..]
                 .iter_mut()
                 .zip(t.shape.iter().chain(std::iter::repeat(&0)))
                 .take(MAX_ENCODED_DIMS)
@@ -202,14 +206,18 @@ fn describe(words: &[u64]) -> String {
         TensorKind::Buffer
     };
     let ndims = words[1] as usize;
-    let mut dims: Vec<String> = words[3..3 + ndims.min(MAX_ENCODED_DIMS)]
+    let mut dims: Vec<String> = words[4..4 + ndims.min(MAX_ENCODED_DIMS)]
         .iter()
         .map(u64::to_string)
         .collect();
     if ndims > MAX_ENCODED_DIMS {
         dims.push("..".into());
     }
-    format!("a {kind} of shape [{}]", dims.join(", "))
+    format!(
+        "a {kind} of shape [{}] ({}-byte elements)",
+        dims.join(", "),
+        words[3]
+    )
 }
 
 struct SpecCollector {
@@ -238,59 +246,64 @@ impl<B: Backend> ModuleVisitor<B> for SpecCollector {
             path: self.path.join("."),
             kind,
             shape: tensor.shape().to_vec(),
+            element_bytes: tensor.dtype().size(),
             id: param.id,
         });
     }
 }
 
-/// Appends every float tensor's values (as `f32`) in registration order (only buffers, tensors
-/// without gradients, with `buffers_only`).
-struct Flatten {
-    values: Vec<f32>,
-    error: Option<String>,
+/// Packs every float tensor's bytes (only buffers, tensors without gradients, with
+/// `buffers_only`) in registration order into 4-byte words, each tensor padded to a whole word.
+/// The words travel as `f32` through `broadcast`, which only copies them, so every dtype arrives
+/// bit-exact (an `f64` model is not rounded to `f32`).
+struct Pack {
+    words: Vec<f32>,
     buffers_only: bool,
 }
 
-impl<B: Backend> ModuleVisitor<B> for Flatten {
+impl<B: Backend> ModuleVisitor<B> for Pack {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let tensor = param.val();
         if self.buffers_only && tensor.is_require_grad() {
             return;
         }
-        let data = tensor.into_data().convert::<f32>();
-        match data.as_slice::<f32>() {
-            Ok(values) => self.values.extend_from_slice(values),
-            Err(e) => {
-                self.error
-                    .get_or_insert_with(|| format!("parameter {}: {e:?}", param.id));
-            }
-        }
+        let data = tensor.into_data();
+        self.words.extend(data.as_bytes().chunks(4).map(|chunk| {
+            let mut word = [0u8; 4];
+            word[..chunk.len()].copy_from_slice(chunk);
+            f32::from_bits(u32::from_le_bytes(word))
+        }));
     }
 }
 
-/// Replaces every float tensor (only buffers with `buffers_only`) by the next values of `values`,
-/// keeping shape, device, dtype and whether it requires gradients.
-struct Unflatten<'a> {
-    values: &'a [f32],
+/// Replaces every float tensor (only buffers with `buffers_only`) by the next words of `words`
+/// (as packed by [`Pack`]), keeping shape, device, dtype and whether it requires gradients.
+struct Unpack<'a> {
+    words: &'a [f32],
     offset: usize,
     buffers_only: bool,
 }
 
-impl<B: Backend> ModuleMapper<B> for Unflatten<'_> {
+impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
         if self.buffers_only && tensor.is_require_grad() {
             return Param::from_mapped_value(id, tensor, mapper);
         }
         let shape = tensor.shape();
-        let numel = shape.num_elements();
-        let data = TensorData::new(
-            self.values[self.offset..self.offset + numel].to_vec(),
-            shape,
-        )
-        .convert_dtype(tensor.dtype());
-        self.offset += numel;
-        let mut value = Tensor::<B, D>::from_data(data, &tensor.device());
+        let dtype = tensor.dtype();
+        let len = shape.num_elements() * dtype.size();
+        let words = len.div_ceil(4);
+        let mut bytes: Vec<u8> = self.words[self.offset..self.offset + words]
+            .iter()
+            .flat_map(|w| w.to_bits().to_le_bytes())
+            .collect();
+        bytes.truncate(len);
+        self.offset += words;
+        let mut value = Tensor::<B, D>::from_data(
+            TensorData::from_bytes_vec(bytes, shape, dtype),
+            &tensor.device(),
+        );
         if tensor.is_require_grad() {
             value = value.require_grad();
         }
@@ -298,48 +311,50 @@ impl<B: Backend> ModuleMapper<B> for Unflatten<'_> {
     }
 }
 
-/// Copies `root`'s parameters and buffers into every rank's `module` (one broadcast of
-/// [`ReplicaLayout::numel`] `f32`); every rank must call it. Returns the module with the root's
-/// values; on the root it is returned unchanged.
+/// Broadcasts the packed tensors of `module` from `root` and writes them into the other ranks'
+/// modules.
+fn broadcast_tensors<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    root: usize,
+    timeout: Duration,
+    buffers_only: bool,
+) -> Result<M> {
+    let mut pack = Pack {
+        words: Vec::new(),
+        buffers_only,
+    };
+    module.visit(&mut pack);
+    let mut words = pack.words;
+    group.broadcast(&mut words, root, timeout)?;
+    if group.rank() == root {
+        return Ok(module);
+    }
+    let mut unpack = Unpack {
+        words: &words,
+        offset: 0,
+        buffers_only,
+    };
+    Ok(module.map(&mut unpack))
+}
+
+/// Copies `root`'s parameters and buffers into every rank's `module`, bit-exact whatever their
+/// dtype (one broadcast of the tensors' bytes, as 4-byte words); every rank must call it. Returns
+/// the module with the root's values; on the root it is returned unchanged.
 ///
 /// Call [`ReplicaLayout::verify_across`] first: the broadcast relies on every rank having the same
 /// layout.
 ///
 /// # Errors
-/// The broadcast's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...);
-/// [`DdpError::Bucket`] when a tensor's values cannot be read as `f32` (quantized tensors).
+/// The broadcast's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], [`DdpError::Mismatch`]
+/// when the ranks' tensors differ in size, ...).
 pub fn broadcast_module<B: Backend, M: Module<B>>(
     module: M,
     group: &dyn ProcessGroup,
     root: usize,
     timeout: Duration,
 ) -> Result<M> {
-    let mut flatten = Flatten {
-        values: Vec::new(),
-        error: None,
-        buffers_only: false,
-    };
-    module.visit(&mut flatten);
-    if let Some(detail) = flatten.error {
-        // Tell the peers before failing, so they do not wait for a broadcast that never comes.
-        group.abort(&detail);
-        return Err(DdpError::Bucket {
-            rank: group.rank(),
-            bucket: 0,
-            detail: format!("cannot read the module's values as f32 for the broadcast: {detail}"),
-        });
-    }
-    let mut values = flatten.values;
-    group.broadcast(&mut values, root, timeout)?;
-    if group.rank() == root {
-        return Ok(module);
-    }
-    let mut unflatten = Unflatten {
-        values: &values,
-        offset: 0,
-        buffers_only: false,
-    };
-    Ok(module.map(&mut unflatten))
+    broadcast_tensors(module, group, root, timeout, false)
 }
 
 /// Copies `root`'s buffers (float tensors without gradients, e.g. BatchNorm running statistics)
@@ -354,31 +369,7 @@ pub fn broadcast_buffers<B: Backend, M: Module<B>>(
     root: usize,
     timeout: Duration,
 ) -> Result<M> {
-    let mut flatten = Flatten {
-        values: Vec::new(),
-        error: None,
-        buffers_only: true,
-    };
-    module.visit(&mut flatten);
-    if let Some(detail) = flatten.error {
-        group.abort(&detail);
-        return Err(DdpError::Bucket {
-            rank: group.rank(),
-            bucket: 0,
-            detail: format!("cannot read the module's buffers as f32: {detail}"),
-        });
-    }
-    let mut values = flatten.values;
-    group.broadcast(&mut values, root, timeout)?;
-    if group.rank() == root {
-        return Ok(module);
-    }
-    let mut unflatten = Unflatten {
-        values: &values,
-        offset: 0,
-        buffers_only: true,
-    };
-    Ok(module.map(&mut unflatten))
+    broadcast_tensors(module, group, root, timeout, true)
 }
 
 /// One 64-bit FNV-1a hash per float tensor of `module` (parameters and buffers, registration

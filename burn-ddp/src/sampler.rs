@@ -69,7 +69,8 @@ impl DistributedSampler {
         })
     }
 
-    /// Shuffles each epoch with a generator seeded by `seed + epoch` (the default, with seed 0).
+    /// Shuffles each epoch with a generator seeded by `seed + epoch` (the default, with seed 0);
+    /// turns shuffling on if [`without_shuffle`](Self::without_shuffle) turned it off.
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;
         self.shuffle = true;
@@ -231,7 +232,9 @@ where
         })
     }
 
-    /// Starts at `epoch` (e.g. when resuming from a checkpoint of epoch `epoch - 1`).
+    /// Makes the next [`iter`](DataLoader::iter) use sampler epoch `epoch` (the first call uses 0
+    /// by default). burn-train counts epochs from 1 and its epoch `k` iterates sampler epoch
+    /// `k - 1`, so to resume after the checkpoint of burn-train epoch `c`, use `with_epoch(c)`.
     pub fn with_epoch(self, epoch: u64) -> Self {
         self.next_epoch.store(epoch, Ordering::Relaxed);
         self
@@ -301,6 +304,8 @@ impl<B: Backend, I, O> Iterator for DistributedIterator<'_, B, I, O> {
             return None;
         }
         let end = (self.next + self.loader.batch_size).min(self.indices.len());
+        // Every index is below the dataset length (checked at construction); a dataset whose `get`
+        // still returns `None` yields a smaller batch.
         let items: Vec<I> = self.indices[self.next..end]
             .iter()
             .filter_map(|&i| self.loader.dataset.get(i))

@@ -332,55 +332,75 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
         drop(sender);
         drop(learner);
 
-        let joined: Vec<std::thread::Result<Finished<LC>>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = workers
-                .into_iter()
-                .map(|worker| {
-                    std::thread::Builder::new()
-                        .name(format!("burn-ddp-rank-{}", worker.rank))
-                        .spawn_scoped(scope, move || worker.run())
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|handle| match handle {
-                    Ok(handle) => handle.join(),
-                    Err(e) => Err(Box::new(format!("could not spawn the rank's thread: {e}"))
-                        as Box<dyn std::any::Any + Send>),
-                })
-                .collect()
-        });
-
+        // Plain (not scoped) threads: if a rank is stuck in user code after another failed,
+        // `fit` must still return the error instead of joining it forever.
+        let (done_tx, done_rx) = mpsc::channel::<(usize, Finished<LC>)>();
         let mut errors = Vec::new();
-        let mut leader_parts = None;
-        let mut ranks = Vec::new();
-        for (rank, joined) in joined.into_iter().enumerate() {
-            match joined {
-                Ok(finished) => {
-                    if let Err(err) = finished.result {
-                        errors.push(err);
-                    }
-                    ranks.push(finished.report);
-                    if finished.leader.is_some() {
-                        leader_parts = finished.leader;
-                    }
+        let mut running = std::collections::BTreeSet::new();
+        for worker in workers {
+            let rank = worker.rank;
+            let done_tx = done_tx.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("burn-ddp-rank-{rank}"))
+                .spawn(move || {
+                    let _ = done_tx.send((rank, worker.run()));
+                });
+            match spawned {
+                Ok(_) => {
+                    running.insert(rank);
                 }
-                Err(payload) => {
-                    errors.push(DdpError::WorkerPanicked {
-                        rank,
-                        message: panic_message(payload.as_ref()),
-                    });
-                    ranks.push(RankReport {
-                        rank,
-                        ..RankReport::default()
-                    });
-                }
+                // The worker was dropped with the closure: its peers see it leave at once.
+                Err(e) => errors.push(DdpError::WorkerPanicked {
+                    rank,
+                    message: format!("could not start the rank's thread: {e}"),
+                }),
             }
+        }
+        drop(done_tx);
+
+        let grace = self.config.timeout();
+        let mut deadline = (!errors.is_empty()).then(|| Instant::now() + grace);
+        let mut leader_parts = None;
+        let mut ranks: Vec<RankReport> = (0..world_size)
+            .map(|rank| RankReport {
+                rank,
+                ..RankReport::default()
+            })
+            .collect();
+        while !running.is_empty() {
+            let received = match deadline {
+                None => done_rx.recv().ok(),
+                Some(deadline) => done_rx
+                    .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                    .ok(),
+            };
+            let Some((rank, finished)) = received else {
+                break;
+            };
+            running.remove(&rank);
+            if let Err(err) = finished.result {
+                errors.push(err);
+                deadline.get_or_insert_with(|| Instant::now() + grace);
+            }
+            ranks[rank] = finished.report;
+            if finished.leader.is_some() {
+                leader_parts = finished.leader;
+            }
+        }
+        for &rank in &running {
+            let err = DdpError::Unresponsive {
+                rank,
+                waited: grace,
+            };
+            tracing::error!("burn-ddp: {err}");
+            errors.push(err);
         }
         lock(&self.report).ranks = ranks;
         let error = root_cause(errors);
         match leader_parts {
             Some((model, processor)) => Ok((model, processor, error)),
+            // Rank 0's thread could not be started or is stuck: burn-train's event processor is
+            // with it, so `fit` has nothing to return and must panic, even under `launch_ddp`.
             None => Err(error.unwrap_or_else(|| DdpError::WorkerPanicked {
                 rank: 0,
                 message: "rank 0 ended without returning its model".into(),
@@ -432,7 +452,7 @@ fn root_cause(errors: Vec<DdpError>) -> Option<DdpError> {
         DdpError::WorkerPanicked { .. } => 0,
         DdpError::Aborted { .. } => 4,
         DdpError::PeerLeft { .. } => 3,
-        DdpError::Timeout { .. } => 2,
+        DdpError::Timeout { .. } | DdpError::Unresponsive { .. } => 2,
         _ => 1,
     };
     errors.into_iter().min_by_key(weight)
@@ -474,6 +494,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             }
         };
         if let Err(err) = &result {
+            tracing::error!("burn-ddp: rank {} failed: {err}", self.rank);
             // Peers must not wait for this rank: fail their collectives at once.
             self.group.abort(&err.to_string());
         }
@@ -496,7 +517,6 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
         report: &mut RankReport,
         model_out: &mut Option<TrainingModel<LC>>,
     ) -> Result<()> {
-        let world_size = self.group.world_size();
         self.learner.fork(&self.device);
         // Check the replicas and start from rank 0's parameters and buffers.
         let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::new(
@@ -506,6 +526,20 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             self.config.clone(),
         )?;
         self.learner.load_model(model.into_record());
+        let result = self.train_epochs(&mut ddp, report);
+        // Counters also on failure: they tell how far the rank got.
+        report.comm = ddp.comm_stats().clone();
+        result?;
+        *model_out = Some(self.learner.model());
+        Ok(())
+    }
+
+    fn train_epochs(
+        &mut self,
+        ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
+        report: &mut RankReport,
+    ) -> Result<()> {
+        let world_size = self.group.world_size();
         let mut total_steps = 0u64;
 
         for epoch in self.epochs.clone() {
@@ -640,8 +674,6 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 break;
             }
         }
-        report.comm = ddp.comm_stats().clone();
-        *model_out = Some(self.learner.model());
         Ok(())
     }
 

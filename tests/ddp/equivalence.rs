@@ -129,3 +129,19 @@ fn gradient_accumulation_syncs_once_per_optimizer_step() {
         assert_eq!(rank.comm.steps, 10, "one gradient sync per optimizer step");
     }
 }
+
+#[test]
+fn an_interrupt_on_one_rank_stops_every_rank_at_the_same_step() {
+    use burn_ddp_tests::Interrupting;
+    let model = materialized(Interrupting::new(&device()));
+    let mut run = Run::new(Some(2), 16, 20 * 16);
+    run.epochs = 2;
+    run.interrupt_after = Some(3);
+    let (_, report) = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap();
+    let report = report.unwrap();
+    assert_eq!(report.epochs.len(), 1, "training stops in the first epoch");
+    assert_eq!(report.epochs[0].steps, 3);
+    for rank in &report.ranks {
+        assert_eq!(rank.batches, 3, "rank {}", rank.rank);
+    }
+}

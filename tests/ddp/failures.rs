@@ -244,16 +244,10 @@ impl DataLoader<TestBackend, Batch<TestBackend>> for UnevenLoader {
 fn uneven_batches_are_an_error_naming_the_ranks_not_a_hang() {
     let model = materialized(Mlp::<TestBackend>::new(&device()));
     let learner = Learner::new(model, SgdConfig::new().init(), 0.05);
-    let valid: Arc<dyn DataLoader<NdArray, Batch<NdArray>>> =
-        burn::data::dataloader::DataLoaderBuilder::new(ItemBatcher)
-            .batch_size(4)
-            .build(burn::data::dataset::InMemDataset::new(synthetic_dataset(
-                8, 2,
-            )));
     let training = SupervisedTraining::new(
         std::env::temp_dir().join("burn-ddp-tests-uneven"),
         Arc::new(UnevenLoader { batches: 3 }),
-        valid,
+        valid_loader(),
     )
     .renderer(SilentRenderer)
     .with_metric_logger(InMemoryMetricLogger::new())
@@ -282,9 +276,100 @@ fn no_devices_and_bad_configuration_are_errors() {
     let model = materialized(Mlp::<TestBackend>::new(&device()));
     let mut run = Run::new(Some(2), 16, 64);
     run.config = DdpConfig::default().with_bucket_cap_bytes(0);
-    let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
+    let err = run_training(model.clone(), SgdConfig::new().init(), 0.05, &run).unwrap_err();
     assert!(
         matches!(err, DdpError::InvalidConfig(ref m) if m.contains("bucket_cap_bytes")),
         "{err}"
+    );
+    // No devices at all.
+    let run = Run::new(Some(0), 16, 64);
+    let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
+    assert!(
+        matches!(err, DdpError::InvalidConfig(ref m) if m.contains("at least one device")),
+        "{err}"
+    );
+}
+
+#[test]
+fn plain_launch_panics_with_the_error_message() {
+    // burn-train's `launch` has no Result: the failure surfaces as a panic carrying the error.
+    let model = materialized(Mlp::<TestBackend>::new(&device()));
+    let learner = Learner::new(model, SgdConfig::new().init(), 0.05);
+    let training = SupervisedTraining::new(
+        std::env::temp_dir().join("burn-ddp-tests-plain-launch"),
+        Arc::new(UnevenLoader { batches: 3 }),
+        valid_loader(),
+    )
+    .renderer(SilentRenderer)
+    .with_metric_logger(InMemoryMetricLogger::new())
+    .with_application_logger(None)
+    .with_training_strategy(DdpStrategy::new(vec![device(); 2]).into());
+    let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        training.launch(learner);
+    }))
+    .expect_err("uneven data must fail");
+    let message = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        message.starts_with("burn-ddp: training failed: uneven data"),
+        "{message}"
+    );
+}
+
+fn valid_loader() -> Arc<dyn DataLoader<NdArray, Batch<NdArray>>> {
+    burn::data::dataloader::DataLoaderBuilder::new(ItemBatcher)
+        .batch_size(4)
+        .build(burn::data::dataset::InMemDataset::new(synthetic_dataset(
+            8, 2,
+        )))
+}
+
+/// An MLP whose validation panics on rank 0.
+#[derive(Module, Debug)]
+pub struct FailsValidation<B: Backend> {
+    inner: Mlp<B>,
+}
+
+impl<B: AutodiffBackend> TrainStep for FailsValidation<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        TrainStep::step(&self.inner, batch)
+    }
+}
+
+impl<B: Backend> InferenceStep for FailsValidation<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, _batch: Batch<B>) -> ClassificationOutput<B> {
+        panic!("validation failed on {:?}", std::thread::current().name());
+    }
+}
+
+#[test]
+fn a_failure_in_rank_0_validation_releases_the_waiting_ranks() {
+    let started = Instant::now();
+    let model = materialized(FailsValidation {
+        inner: Mlp::new(&device()),
+    });
+    let mut run = Run::new(Some(3), 12, 4 * 12);
+    // The others wait in the end-of-epoch all-gather; the abort must free them long before this.
+    run.config = DdpConfig::default().with_epoch_end_timeout(Duration::from_secs(600));
+    let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
+    match err {
+        DdpError::WorkerPanicked { rank, message } => {
+            assert_eq!(rank, 0);
+            assert!(message.contains("validation failed"), "{message}");
+        }
+        other => panic!("expected WorkerPanicked on rank 0, got {other}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
     );
 }

@@ -170,3 +170,37 @@ fn a_drifting_replica_is_named_by_the_consistency_check() {
         other => panic!("expected ReplicasDiverged, got {other}"),
     }
 }
+
+#[test]
+fn the_start_up_broadcast_is_bit_exact_for_f64_models() {
+    type B64 = burn::backend::Autodiff<burn::backend::NdArray<f64>>;
+    let groups = ThreadGroup::new_group(2).unwrap();
+    let fingerprints: Vec<(Vec<u64>, Vec<u64>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|group| {
+                s.spawn(move || {
+                    let group: Arc<dyn ProcessGroup> = Arc::new(group);
+                    let device = Default::default();
+                    let model = BnCnn::<B64>::new(&device);
+                    let before = burn_ddp::tensor_fingerprints(&model);
+                    let (_, model) =
+                        DistributedDataParallel::new(group, model, &device, DdpConfig::default())
+                            .unwrap();
+                    (before, burn_ddp::tensor_fingerprints(&model))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_ne!(
+        fingerprints[0].0, fingerprints[1].0,
+        "replicas start different"
+    );
+    // Rank 1 must now hold rank 0's f64 values bit for bit (not rounded through f32).
+    assert_eq!(fingerprints[1].1, fingerprints[0].0);
+    assert_eq!(
+        fingerprints[0].1, fingerprints[0].0,
+        "rank 0 keeps its values"
+    );
+}

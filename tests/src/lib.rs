@@ -23,8 +23,8 @@ use burn::train::renderer::{
     MetricsRendererTraining, ProgressType, TrainingProgress,
 };
 use burn::train::{
-    ClassificationOutput, ExecutionStrategy, InferenceStep, Learner, SupervisedTraining,
-    TrainOutput, TrainStep,
+    ClassificationOutput, ExecutionStrategy, InferenceStep, Interrupter, Learner,
+    SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp::metrics::TrainingReport;
 use burn_ddp::{
@@ -214,6 +214,58 @@ macro_rules! classifier_steps {
 classifier_steps!(Mlp);
 classifier_steps!(BnCnn);
 
+/// Where [`Interrupting`] finds the training's interrupter and after how many batches to use it.
+static INTERRUPT: std::sync::Mutex<Option<(Interrupter, usize)>> = std::sync::Mutex::new(None);
+
+thread_local! {
+    static BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// An MLP whose rank-1 replica asks burn-train to stop (its `Interrupter`) during its N-th batch
+/// (N from [`Run::interrupt_after`]), as a user pressing Ctrl-C or a callback would.
+#[derive(Module, Debug)]
+pub struct Interrupting<B: Backend> {
+    inner: Mlp<B>,
+}
+
+impl<B: Backend> Interrupting<B> {
+    /// A new model on `device`.
+    pub fn new(device: &B::Device) -> Self {
+        Self {
+            inner: Mlp::new(device),
+        }
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for Interrupting<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let batches = BATCHES.with(|b| {
+            b.set(b.get() + 1);
+            b.get()
+        });
+        if std::thread::current().name() == Some("burn-ddp-rank-1")
+            && let Ok(slot) = INTERRUPT.lock()
+            && let Some((interrupter, after)) = slot.as_ref()
+            && batches == *after
+        {
+            interrupter.stop(Some("interrupted by the test"));
+        }
+        TrainStep::step(&self.inner, batch)
+    }
+}
+
+impl<B: Backend> InferenceStep for Interrupting<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
 /// A renderer that shows nothing (tests read results, not progress).
 pub struct SilentRenderer;
 
@@ -283,6 +335,8 @@ pub struct Run {
     pub seed: u64,
     /// burn-ddp configuration.
     pub config: DdpConfig,
+    /// With the [`Interrupting`] model: rank 1 calls the interrupter during its N-th batch.
+    pub interrupt_after: Option<usize>,
 }
 
 impl Run {
@@ -296,6 +350,7 @@ impl Run {
             grad_accumulation: None,
             seed: 7,
             config: DdpConfig::default(),
+            interrupt_after: None,
         }
     }
 }
@@ -323,7 +378,7 @@ where
     S: LrScheduler + 'static,
 {
     let device = burn::tensor::Device::<TestBackend>::default();
-    let world_size = run.replicas.unwrap_or(1);
+    let world_size = run.replicas.unwrap_or(1).max(1);
     let items = Arc::new(InMemDataset::new(synthetic_dataset(run.samples, 99)));
     let sampler = DistributedSampler::new(run.samples, world_size)?.with_seed(run.seed);
     let train: Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> =
@@ -357,6 +412,11 @@ where
         .with_application_logger(None);
     if let Some(k) = run.grad_accumulation {
         training = training.grads_accumulation(k);
+    }
+    if let Some(n) = run.interrupt_after
+        && let Ok(mut slot) = INTERRUPT.lock()
+    {
+        *slot = Some((training.interrupter(), n));
     }
     match run.replicas {
         None => {

@@ -74,7 +74,8 @@ struct Call {
     rank: usize,
     seq: u64,
     op: Collective,
-    deadline: Instant,
+    /// `None` when the timeout is too large to add to the clock (e.g. `Duration::MAX`): no limit.
+    deadline: Option<Instant>,
     timeout: Duration,
 }
 
@@ -135,7 +136,7 @@ impl ThreadGroup {
             rank: self.rank,
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
             op,
-            deadline: Instant::now() + timeout,
+            deadline: Instant::now().checked_add(timeout),
             timeout,
         }
     }
@@ -145,6 +146,18 @@ impl ThreadGroup {
         let mut st = self.lock();
         if let Some(cause) = &st.aborted {
             return Err(aborted(call, cause));
+        }
+        if let Some((peer, reason)) = first_gone(&st) {
+            let err = DdpError::PeerLeft {
+                rank: self.rank,
+                op: call.op,
+                seq: call.seq,
+                peer,
+                reason,
+            };
+            abort_locked(&mut st, &err.to_string());
+            self.shared.changed.notify_all();
+            return Err(err);
         }
         st.posted[self.rank] = Some(Posted {
             seq: call.seq,
@@ -172,11 +185,9 @@ impl ThreadGroup {
                 peer_op,
                 peer_seq,
             };
+            // Every rank sees the same posted calls, so every rank stops here and nobody reads a
+            // peer's buffer (the barrier left `busy` at 0 for a mismatch).
             let mut st = st;
-            if next == Next::Data {
-                // Every rank sees the same posted calls, so every rank stops here: nobody reads.
-                st.busy -= 1;
-            }
             abort_locked(&mut st, &err.to_string());
             self.shared.changed.notify_all();
             return Err(err);
@@ -211,21 +222,18 @@ impl ThreadGroup {
             st.arrived.iter_mut().for_each(|a| *a = false);
             st.arrived_count = 0;
             st.generation += 1;
-            st.busy = if next == Next::Data { n } else { 0 };
+            // Ranks only read each other's buffers when they all posted the same call; on a
+            // mismatch every rank returns an error right after this barrier.
+            st.busy = if next == Next::Data && calls_match(&st) {
+                n
+            } else {
+                0
+            };
             self.shared.changed.notify_all();
             return Ok(st);
         }
         let generation = st.generation;
         loop {
-            let now = Instant::now();
-            if now < call.deadline {
-                let (guard, _) = self
-                    .shared
-                    .changed
-                    .wait_timeout(st, call.deadline - now)
-                    .unwrap_or_else(|poisoned| poisoned.into_inner());
-                st = guard;
-            }
             if st.generation != generation {
                 return Ok(st);
             }
@@ -233,13 +241,7 @@ impl ThreadGroup {
                 withdraw(&mut st, self.rank);
                 return Err(self.leave_after_failure(st, aborted(call, &cause)));
             }
-            let gone = (0..n).find_map(|peer| {
-                if st.arrived[peer] {
-                    return None;
-                }
-                st.left[peer].clone().map(|reason| (peer, reason))
-            });
-            if let Some((peer, reason)) = gone {
+            if let Some((peer, reason)) = first_gone(&st) {
                 let err = DdpError::PeerLeft {
                     rank: self.rank,
                     op: call.op,
@@ -252,24 +254,42 @@ impl ThreadGroup {
                 self.shared.changed.notify_all();
                 return Err(self.leave_after_failure(st, err));
             }
-            if Instant::now() >= call.deadline {
-                let missing: Vec<usize> = (0..n).filter(|&peer| !st.arrived[peer]).collect();
-                let last_seen = missing
-                    .iter()
-                    .map(|&peer| (peer, st.last_seen[peer]))
-                    .collect();
-                let err = DdpError::Timeout {
-                    rank: self.rank,
-                    op: call.op,
-                    seq: call.seq,
-                    timeout: call.timeout,
-                    missing,
-                    last_seen,
-                };
-                withdraw(&mut st, self.rank);
-                abort_locked(&mut st, &err.to_string());
-                self.shared.changed.notify_all();
-                return Err(self.leave_after_failure(st, err));
+            let now = Instant::now();
+            match call.deadline {
+                Some(deadline) if now >= deadline => {
+                    let missing: Vec<usize> = (0..n).filter(|&peer| !st.arrived[peer]).collect();
+                    let last_seen = missing
+                        .iter()
+                        .map(|&peer| (peer, st.last_seen[peer]))
+                        .collect();
+                    let err = DdpError::Timeout {
+                        rank: self.rank,
+                        op: call.op,
+                        seq: call.seq,
+                        timeout: call.timeout,
+                        missing,
+                        last_seen,
+                    };
+                    withdraw(&mut st, self.rank);
+                    abort_locked(&mut st, &err.to_string());
+                    self.shared.changed.notify_all();
+                    return Err(self.leave_after_failure(st, err));
+                }
+                Some(deadline) => {
+                    st = self
+                        .shared
+                        .changed
+                        .wait_timeout(st, deadline - now)
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .0;
+                }
+                None => {
+                    st = self
+                        .shared
+                        .changed
+                        .wait(st)
+                        .unwrap_or_else(|poisoned| poisoned.into_inner());
+                }
             }
         }
     }
@@ -316,6 +336,23 @@ fn aborted(call: Call, cause: &str) -> DdpError {
         seq: call.seq,
         cause: cause.to_string(),
     }
+}
+
+/// The first rank that left the group without arriving at the current barrier, with why.
+fn first_gone(st: &State) -> Option<(usize, String)> {
+    st.left
+        .iter()
+        .enumerate()
+        .find_map(|(peer, left)| match left {
+            Some(reason) if !st.arrived[peer] => Some((peer, reason.clone())),
+            _ => None,
+        })
+}
+
+/// Whether every rank posted the same call as rank 0.
+fn calls_match(st: &State) -> bool {
+    let first = st.posted[0].map(|p| (p.seq, p.op));
+    st.posted.iter().all(|p| p.map(|p| (p.seq, p.op)) == first)
 }
 
 fn abort_locked(st: &mut State, reason: &str) {
@@ -438,10 +475,13 @@ impl ProcessGroup for ThreadGroup {
         let len = buffer.len();
         let call = self.begin(Collective::Broadcast { root, len }, timeout);
         if root >= n {
-            return Err(DdpError::InvalidConfig(format!(
+            let err = DdpError::InvalidConfig(format!(
                 "broadcast #{} on rank {}: root {root} is not below the world size {n}",
                 call.seq, self.rank
-            )));
+            ));
+            // The peers must not wait for a broadcast this rank will never join.
+            self.abort(&err.to_string());
+            return Err(err);
         }
         if n == 1 {
             return self.check_not_aborted(call);
@@ -603,38 +643,67 @@ mod tests {
 
     #[test]
     fn a_rank_that_never_arrives_is_named_within_the_timeout() {
-        let timeout = Duration::from_millis(300);
+        let timeout = Duration::from_secs(1);
+        let (late_tx, late_rx) = std::sync::mpsc::channel::<()>();
+        let late_rx = std::sync::Mutex::new(late_rx);
         let results = run(3, |rank, g| {
             let mut buf = vec![1.0f32; 8];
             if rank == 2 {
-                // Rank 2 skips the all-reduce; it only shows up (late) for a barrier.
-                thread::sleep(Duration::from_millis(600));
+                // Rank 2 skips the all-reduce; it shows up for a barrier once the others failed.
+                if let Ok(rx) = late_rx.lock() {
+                    let _ = rx.recv_timeout(Duration::from_secs(20));
+                }
                 return (g.barrier(timeout), Duration::ZERO);
             }
             let start = Instant::now();
-            (
-                g.all_reduce(&mut buf, ReduceOp::Avg, timeout),
-                start.elapsed(),
-            )
+            let result = g.all_reduce(&mut buf, ReduceOp::Avg, timeout);
+            let _ = late_tx.send(());
+            (result, start.elapsed())
         });
         for (rank, (result, elapsed)) in results.iter().take(2).enumerate() {
             let err = result.as_ref().unwrap_err();
             assert!(
-                elapsed < &Duration::from_secs(3),
+                elapsed < &Duration::from_secs(5),
                 "rank {rank} took {elapsed:?}"
             );
             match err {
-                // The first rank to time out names rank 2; the other may see the abort first.
+                // The first rank to time out names rank 2 (and maybe a slow rank 0 or 1); the
+                // other one may see that rank's abort first.
                 DdpError::Timeout { missing, seq, .. } => {
                     assert!(missing.contains(&2), "{err}");
                     assert_eq!(*seq, 0);
                 }
-                DdpError::Aborted { cause, .. } => assert!(cause.contains("[2]"), "{err}"),
+                DdpError::Aborted { cause, .. } => assert!(cause.contains("2]"), "{err}"),
                 other => panic!("rank {rank}: unexpected error {other}"),
             }
         }
         // The late rank finds the group aborted instead of waiting.
         assert!(matches!(results[2].0, Err(DdpError::Aborted { .. })));
+    }
+
+    #[test]
+    fn different_kinds_of_collective_are_a_mismatch_on_every_rank() {
+        let results = run(2, |rank, g| {
+            if rank == 0 {
+                g.all_gather(&[1], T).map(|_| ())
+            } else {
+                g.barrier(T)
+            }
+        });
+        for (rank, result) in results.iter().enumerate() {
+            match result {
+                Err(DdpError::Mismatch { op, peer_op, .. }) => {
+                    assert_ne!(op, peer_op, "rank {rank}");
+                }
+                other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn an_unbounded_timeout_is_accepted() {
+        let results = run(2, |_, g| g.barrier(Duration::MAX));
+        assert!(results.iter().all(Result::is_ok));
     }
 
     #[test]
@@ -653,17 +722,33 @@ mod tests {
 
     #[test]
     fn a_dropped_rank_is_named_at_once() {
-        let results = run(2, |rank, g| {
-            if rank == 1 {
-                drop(g);
-                return Ok(Duration::ZERO);
-            }
-            let start = Instant::now();
-            g.barrier(Duration::from_secs(30)).map(|_| start.elapsed())
-        });
-        match &results[0] {
-            Err(DdpError::PeerLeft { peer: 1, .. }) => {}
-            other => panic!("expected PeerLeft naming rank 1, got {other:?}"),
+        // Rank 1 drops its handle before rank 0 even starts its barrier, and while it waits.
+        for drop_first in [true, false] {
+            let (dropped_tx, dropped_rx) = std::sync::mpsc::channel::<()>();
+            let dropped_rx = std::sync::Mutex::new(dropped_rx);
+            let results = run(2, |rank, g| {
+                if rank == 1 {
+                    if !drop_first {
+                        thread::sleep(Duration::from_millis(100));
+                    }
+                    drop(g);
+                    let _ = dropped_tx.send(());
+                    return Ok(Duration::ZERO);
+                }
+                if drop_first && let Ok(rx) = dropped_rx.lock() {
+                    let _ = rx.recv_timeout(Duration::from_secs(20));
+                }
+                let start = Instant::now();
+                match g.barrier(Duration::from_secs(30)) {
+                    Err(DdpError::PeerLeft { peer: 1, .. }) => Ok(start.elapsed()),
+                    other => Err(format!("expected PeerLeft naming rank 1, got {other:?}")),
+                }
+            });
+            let waited = results[0].clone().unwrap();
+            assert!(
+                waited < Duration::from_secs(2),
+                "drop_first {drop_first}: waited {waited:?}"
+            );
         }
     }
 
