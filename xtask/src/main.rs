@@ -76,14 +76,16 @@ fn run(mut command: Command) -> ExitCode {
             command.env_remove(key);
         }
     }
+    let shown = std::iter::once(command.get_program())
+        .chain(command.get_args())
+        .map(|a| a.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ");
     match command.status() {
         Ok(status) if status.success() => ExitCode::SUCCESS,
-        Ok(status) => {
-            eprintln!("xtask: {command:?} failed: {status}");
-            ExitCode::from(status.code().unwrap_or(1).clamp(1, 255) as u8)
-        }
+        Ok(status) => ExitCode::from(status.code().unwrap_or(1).clamp(1, 255) as u8),
         Err(e) => {
-            eprintln!("xtask: could not run {command:?}: {e}");
+            eprintln!("xtask: could not run `{shown}`: {e}");
             ExitCode::FAILURE
         }
     }

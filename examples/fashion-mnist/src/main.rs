@@ -86,6 +86,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn,burn_ddp=info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
     match run_with_backend(&args) {

@@ -45,9 +45,12 @@ struct Epoch {
     samples: usize,
     started: Option<Instant>,
     train_seconds: Option<f64>,
+    /// Next tenth of the epoch at which to print a progress line.
+    next_tenth: usize,
 }
 
-/// Prints `epoch 1/2: train loss 0.4512, test accuracy 86.91%, 1234.5 samples/s` lines.
+/// Prints a progress line every tenth of an epoch and, per epoch,
+/// `epoch 1/2: train loss 0.4512, test accuracy 86.91%, 1234.5 samples/s`.
 #[derive(Default)]
 pub struct EpochPrinter {
     names: HashMap<MetricId, String>,
@@ -72,6 +75,7 @@ impl EpochPrinter {
                 number: epoch,
                 total,
                 started: Some(Instant::now()),
+                next_tenth: 1,
                 ..Epoch::default()
             };
         }
@@ -124,6 +128,24 @@ impl MetricsRendererTraining for EpochPrinter {
         );
         if let Some(progress) = item.progress {
             self.epoch.samples = self.epoch.samples.max(progress.items_processed);
+            let e = &mut self.epoch;
+            if e.next_tenth < 10
+                && progress.items_processed * 10 >= e.next_tenth * progress.items_total
+            {
+                let loss = e
+                    .train_loss
+                    .get()
+                    .map_or("n/a".to_string(), |l| format!("{l:.4}"));
+                let elapsed = e.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+                println!(
+                    "  epoch {}: {}% ({}/{} samples, {elapsed:.0} s), train loss so far {loss}",
+                    e.number,
+                    e.next_tenth * 10,
+                    progress.items_processed,
+                    progress.items_total
+                );
+                e.next_tenth += 1;
+            }
         }
     }
 
