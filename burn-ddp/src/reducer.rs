@@ -269,39 +269,14 @@ impl Reducer {
 /// Runs `$body` with `$D` bound to the const dimension `$ndims` (1 to 8).
 macro_rules! with_dims {
     ($ndims:expr, $D:ident => $body:expr, else $fallback:expr) => {
+        with_dims!(@arms $ndims, $D, $body, $fallback, 1 2 3 4 5 6 7 8)
+    };
+    (@arms $ndims:expr, $D:ident, $body:expr, $fallback:expr, $($n:literal)*) => {
         match $ndims {
-            1 => {
-                const $D: usize = 1;
+            $($n => {
+                const $D: usize = $n;
                 $body
-            }
-            2 => {
-                const $D: usize = 2;
-                $body
-            }
-            3 => {
-                const $D: usize = 3;
-                $body
-            }
-            4 => {
-                const $D: usize = 4;
-                $body
-            }
-            5 => {
-                const $D: usize = 5;
-                $body
-            }
-            6 => {
-                const $D: usize = 6;
-                $body
-            }
-            7 => {
-                const $D: usize = 7;
-                $body
-            }
-            8 => {
-                const $D: usize = 8;
-                $body
-            }
+            })*
             _ => $fallback,
         }
     };

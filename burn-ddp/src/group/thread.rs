@@ -148,13 +148,7 @@ impl ThreadGroup {
             return Err(aborted(call, cause));
         }
         if let Some((peer, reason)) = first_gone(&st) {
-            let err = DdpError::PeerLeft {
-                rank: self.rank,
-                op: call.op,
-                seq: call.seq,
-                peer,
-                reason,
-            };
+            let err = peer_left(call, peer, reason);
             abort_locked(&mut st, &err.to_string());
             self.shared.changed.notify_all();
             return Err(err);
@@ -242,17 +236,7 @@ impl ThreadGroup {
                 return Err(self.leave_after_failure(st, aborted(call, &cause)));
             }
             if let Some((peer, reason)) = first_gone(&st) {
-                let err = DdpError::PeerLeft {
-                    rank: self.rank,
-                    op: call.op,
-                    seq: call.seq,
-                    peer,
-                    reason,
-                };
-                withdraw(&mut st, self.rank);
-                abort_locked(&mut st, &err.to_string());
-                self.shared.changed.notify_all();
-                return Err(self.leave_after_failure(st, err));
+                return Err(self.fail_at_barrier(st, peer_left(call, peer, reason)));
             }
             let now = Instant::now();
             match call.deadline {
@@ -270,10 +254,7 @@ impl ThreadGroup {
                         missing,
                         last_seen,
                     };
-                    withdraw(&mut st, self.rank);
-                    abort_locked(&mut st, &err.to_string());
-                    self.shared.changed.notify_all();
-                    return Err(self.leave_after_failure(st, err));
+                    return Err(self.fail_at_barrier(st, err));
                 }
                 Some(deadline) => {
                     st = self
@@ -298,6 +279,15 @@ impl ThreadGroup {
     fn end_phase(&self, call: Call, next: Next) -> Result<()> {
         let st = self.lock();
         self.phase_barrier(st, call, next, true).map(drop)
+    }
+
+    /// Gives up a barrier that cannot complete: withdraws this rank's arrival, aborts the group
+    /// with `err` and returns it once no peer reads this rank's buffer.
+    fn fail_at_barrier(&self, mut st: MutexGuard<'_, State>, err: DdpError) -> DdpError {
+        withdraw(&mut st, self.rank);
+        abort_locked(&mut st, &err.to_string());
+        self.shared.changed.notify_all();
+        self.leave_after_failure(st, err)
     }
 
     /// Before a failing rank returns, waits until no peer still reads its buffer. Peers in a data
@@ -326,6 +316,16 @@ impl ThreadGroup {
             Some(cause) => Err(aborted(call, cause)),
             None => Ok(()),
         }
+    }
+}
+
+fn peer_left(call: Call, peer: usize, reason: String) -> DdpError {
+    DdpError::PeerLeft {
+        rank: call.rank,
+        op: call.op,
+        seq: call.seq,
+        peer,
+        reason,
     }
 }
 
