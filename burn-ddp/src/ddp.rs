@@ -11,7 +11,9 @@ use burn::tensor::backend::AutodiffBackend;
 use crate::group::ProcessGroup;
 use crate::metrics::CommStats;
 use crate::reducer::{BucketLayout, Reducer};
-use crate::replica::{ReplicaLayout, broadcast_buffers, broadcast_module, verify_values_across};
+use crate::replica::{
+    ReplicaLayout, average_buffers, broadcast_buffers, broadcast_module, verify_values_across,
+};
 use crate::{DdpConfig, DdpError, Result};
 
 /// Gradient synchronisation for one replica of a model, for training loops you write yourself.
@@ -135,6 +137,18 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             0,
             self.config.timeout(),
         )
+    }
+
+    /// Replaces every rank's buffers by their average over the ranks (one all-reduce of the
+    /// buffers): what Burn's shared `RunningState` does for replicas that are threads, for
+    /// replicas that are separate models (processes). Pending BatchNorm updates are flushed first.
+    ///
+    /// # Errors
+    /// The all-reduce's errors.
+    pub fn average_buffers<M: AutodiffModule<B>>(&self, module: M) -> Result<M> {
+        // `valid()` folds RunningState's per-thread pending updates into its value.
+        let _ = module.valid();
+        average_buffers(module, self.reducer.group().as_ref(), self.config.timeout())
     }
 
     /// Checks that every rank's `module` holds bit-identical parameters and buffers (see

@@ -22,8 +22,9 @@ pub type Result<T, E = DdpError> = std::result::Result<T, E>;
 pub enum DdpError {
     /// A collective waited longer than its timeout for peers that did not arrive.
     #[error(
-        "{op} #{seq} on rank {rank} timed out after {} s: rank(s) {missing:?} did not arrive{}",
+        "{op} #{seq} on rank {rank} timed out after {} s: {} did not arrive{}",
         timeout.as_secs_f64(),
+        describe_ranks(missing),
         describe_last_seen(last_seen)
     )]
     Timeout {
@@ -165,6 +166,61 @@ pub enum DdpError {
         detail: String,
     },
 
+    /// The environment does not describe a valid multi-process job (names the variable).
+    #[error("job topology: {0}")]
+    Topology(String),
+
+    /// The rendezvous store could not be served or reached, or an operation on it failed.
+    #[error("store {addr}: {op}: {detail}")]
+    Store {
+        /// The store's address.
+        addr: String,
+        /// The operation, with its key.
+        op: String,
+        /// What went wrong.
+        detail: String,
+    },
+
+    /// The processes of the job did not meet: ranks missing after the timeout, a rank claimed
+    /// twice, ranks that disagree on the world size.
+    #[error("rendezvous failed on rank {rank}: {detail}")]
+    Rendezvous {
+        /// Rank reporting the error.
+        rank: usize,
+        /// What happened, naming the ranks involved.
+        detail: String,
+    },
+
+    /// A connection between two ranks could not be set up.
+    #[error("rank {rank}: connection with rank {peer} ({addr}): {detail}")]
+    Connect {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The other rank.
+        peer: usize,
+        /// The address involved.
+        addr: String,
+        /// What went wrong.
+        detail: String,
+    },
+
+    /// A worker process of the launcher failed (and the restarts, if any, are used up).
+    #[error("rank {rank} (pid {pid}) {how} (attempt {attempts} of the group)")]
+    WorkerExited {
+        /// Global rank of the first worker that failed.
+        rank: usize,
+        /// Its process id.
+        pid: u32,
+        /// How it ended: "exited with code 3", "was killed by signal 9 (SIGKILL)".
+        how: String,
+        /// Attempts made (1 + restarts).
+        attempts: u32,
+    },
+
+    /// The launcher could not start a worker or prepare its logs.
+    #[error("launcher: {0}")]
+    Launch(String),
+
     /// A configuration value or argument is invalid (names the value and why).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
@@ -183,8 +239,14 @@ impl DdpError {
             | DdpError::UnevenData { rank, .. }
             | DdpError::WorkerPanicked { rank, .. }
             | DdpError::Unresponsive { rank, .. }
-            | DdpError::Bucket { rank, .. } => Some(*rank),
-            DdpError::InvalidConfig(_) => None,
+            | DdpError::Bucket { rank, .. }
+            | DdpError::Rendezvous { rank, .. }
+            | DdpError::Connect { rank, .. }
+            | DdpError::WorkerExited { rank, .. } => Some(*rank),
+            DdpError::InvalidConfig(_)
+            | DdpError::Topology(_)
+            | DdpError::Store { .. }
+            | DdpError::Launch(_) => None,
         }
     }
 
@@ -192,6 +254,20 @@ impl DdpError {
     /// ranks fail, the first non-`Aborted` error is the root cause.
     pub fn is_secondary(&self) -> bool {
         matches!(self, DdpError::Aborted { .. })
+    }
+}
+
+/// "rank 1" or "ranks 1, 2".
+fn describe_ranks(ranks: &[usize]) -> String {
+    match ranks {
+        [one] => format!("rank {one}"),
+        many => format!(
+            "ranks {}",
+            many.iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     }
 }
 
@@ -230,7 +306,7 @@ mod tests {
         let msg = err.to_string();
         assert_eq!(
             msg,
-            "all_reduce(avg, 10 f32) #7 on rank 0 timed out after 2 s: rank(s) [1] did not arrive \
+            "all_reduce(avg, 10 f32) #7 on rank 0 timed out after 2 s: rank 1 did not arrive \
              (rank 1 last entered collective #6)"
         );
         assert_eq!(err.rank(), Some(0));

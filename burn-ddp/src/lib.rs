@@ -24,18 +24,24 @@ mod config;
 mod ddp;
 mod error;
 pub mod group;
+pub mod launch;
 pub mod metrics;
 pub mod reducer;
+pub mod rendezvous;
 pub mod replica;
 pub mod sampler;
+pub mod store;
 mod strategy;
+pub mod topology;
 
 pub use config::{
     DEFAULT_BUCKET_CAP_BYTES, DEFAULT_EPOCH_END_TIMEOUT, DEFAULT_FIRST_BUCKET_CAP_BYTES, DdpConfig,
 };
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
-pub use group::{Collective, DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, ThreadGroup};
+pub use group::{
+    Collective, DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, TcpGroup, TcpGroupOptions, ThreadGroup,
+};
 pub use reducer::{Bucket, BucketLayout, Reducer};
 pub use replica::{
     ReplicaLayout, TensorKind, TensorSpec, broadcast_buffers, broadcast_module,
@@ -43,6 +49,7 @@ pub use replica::{
 };
 pub use sampler::{DistributedDataLoader, DistributedSampler};
 pub use strategy::{DdpStrategy, DdpTraining};
+pub use topology::Topology;
 
 /// The README's code blocks, compiled as doc-tests so they stay true.
 #[cfg(doctest)]

@@ -252,13 +252,22 @@ impl<B: Backend> ModuleVisitor<B> for SpecCollector {
     }
 }
 
-/// Packs every float tensor's bytes (only buffers, tensors without gradients, with
-/// `buffers_only`) in registration order into 4-byte words, each tensor padded to a whole word.
-/// The words travel as `f32` through `broadcast`, which only copies them, so every dtype arrives
-/// bit-exact (an `f64` model is not rounded to `f32`).
+/// How [`Pack`] turns tensors into the `f32` words a collective moves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    /// The tensor's raw bytes in 4-byte words, each tensor padded to a whole word: exact for
+    /// every dtype, for broadcasts (which only copy the words).
+    Bytes,
+    /// The tensor's values converted to `f32`: for all-reduces, which do arithmetic.
+    Values,
+}
+
+/// Packs every float tensor (only buffers, tensors without gradients, with `buffers_only`) in
+/// registration order into `f32` words.
 struct Pack {
     words: Vec<f32>,
     buffers_only: bool,
+    encoding: Encoding,
 }
 
 impl<B: Backend> ModuleVisitor<B> for Pack {
@@ -268,20 +277,31 @@ impl<B: Backend> ModuleVisitor<B> for Pack {
             return;
         }
         let data = tensor.into_data();
-        self.words.extend(data.as_bytes().chunks(4).map(|chunk| {
-            let mut word = [0u8; 4];
-            word[..chunk.len()].copy_from_slice(chunk);
-            f32::from_bits(u32::from_le_bytes(word))
-        }));
+        match self.encoding {
+            Encoding::Bytes => self.words.extend(data.as_bytes().chunks(4).map(|chunk| {
+                let mut word = [0u8; 4];
+                word[..chunk.len()].copy_from_slice(chunk);
+                f32::from_bits(u32::from_le_bytes(word))
+            })),
+            Encoding::Values => {
+                let data = data.convert::<f32>();
+                // `convert::<f32>` always yields f32 elements, so the slice view cannot fail.
+                if let Ok(values) = data.as_slice::<f32>() {
+                    self.words.extend_from_slice(values);
+                }
+            }
+        }
     }
 }
 
 /// Replaces every float tensor (only buffers with `buffers_only`) by the next words of `words`
-/// (as packed by [`Pack`]), keeping shape, device, dtype and whether it requires gradients.
+/// (as packed by [`Pack`] with the same encoding), keeping shape, device, dtype and whether it
+/// requires gradients.
 struct Unpack<'a> {
     words: &'a [f32],
     offset: usize,
     buffers_only: bool,
+    encoding: Encoding,
 }
 
 impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
@@ -292,18 +312,26 @@ impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
         }
         let shape = tensor.shape();
         let dtype = tensor.dtype();
-        let len = shape.num_elements() * dtype.size();
-        let words = len.div_ceil(4);
-        let mut bytes: Vec<u8> = self.words[self.offset..self.offset + words]
-            .iter()
-            .flat_map(|w| w.to_bits().to_le_bytes())
-            .collect();
-        bytes.truncate(len);
-        self.offset += words;
-        let mut value = Tensor::<B, D>::from_data(
-            TensorData::from_bytes_vec(bytes, shape, dtype),
-            &tensor.device(),
-        );
+        let numel = shape.num_elements();
+        let data = match self.encoding {
+            Encoding::Bytes => {
+                let len = numel * dtype.size();
+                let words = len.div_ceil(4);
+                let mut bytes: Vec<u8> = self.words[self.offset..self.offset + words]
+                    .iter()
+                    .flat_map(|w| w.to_bits().to_le_bytes())
+                    .collect();
+                bytes.truncate(len);
+                self.offset += words;
+                TensorData::from_bytes_vec(bytes, shape, dtype)
+            }
+            Encoding::Values => {
+                let values = self.words[self.offset..self.offset + numel].to_vec();
+                self.offset += numel;
+                TensorData::new(values, shape).convert_dtype(dtype)
+            }
+        };
+        let mut value = Tensor::<B, D>::from_data(data, &tensor.device());
         if tensor.is_require_grad() {
             value = value.require_grad();
         }
@@ -323,6 +351,7 @@ fn broadcast_tensors<B: Backend, M: Module<B>>(
     let mut pack = Pack {
         words: Vec::new(),
         buffers_only,
+        encoding: Encoding::Bytes,
     };
     module.visit(&mut pack);
     let mut words = pack.words;
@@ -334,6 +363,41 @@ fn broadcast_tensors<B: Backend, M: Module<B>>(
         words: &words,
         offset: 0,
         buffers_only,
+        encoding: Encoding::Bytes,
+    };
+    Ok(module.map(&mut unpack))
+}
+
+/// Replaces every rank's buffers (float tensors without gradients) by their average over the
+/// ranks (one all-reduce of the buffers as `f32`); every rank must call it. For BatchNorm's
+/// running statistics this is the average of the replicas' statistics, which is what Burn's
+/// `RunningState` computes for replicas that are threads sharing one module. Flush
+/// `RunningState`'s pending updates first (`AutodiffModule::valid` does).
+///
+/// # Errors
+/// The all-reduce's errors.
+pub fn average_buffers<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    timeout: Duration,
+) -> Result<M> {
+    let mut pack = Pack {
+        words: Vec::new(),
+        buffers_only: true,
+        encoding: Encoding::Values,
+    };
+    module.visit(&mut pack);
+    let mut words = pack.words;
+    if words.is_empty() {
+        // Every rank has the same layout, so every rank skips the collective together.
+        return Ok(module);
+    }
+    group.all_reduce(&mut words, crate::group::ReduceOp::Avg, timeout)?;
+    let mut unpack = Unpack {
+        words: &words,
+        offset: 0,
+        buffers_only: true,
+        encoding: Encoding::Values,
     };
     Ok(module.map(&mut unpack))
 }

@@ -79,6 +79,8 @@ enum OnError {
 ///   returns it.
 pub struct DdpStrategy<LC: LearningComponentsTypes> {
     devices: Vec<Device<TrainingBackend<LC>>>,
+    /// `Some`: one replica in this process, rank `group.rank()` of a multi-process job.
+    process_group: Option<Arc<dyn ProcessGroup>>,
     config: DdpConfig,
     on_error: OnError,
     report: Arc<Mutex<TrainingReport>>,
@@ -89,6 +91,7 @@ impl<LC: LearningComponentsTypes> Clone for DdpStrategy<LC> {
     fn clone(&self) -> Self {
         Self {
             devices: self.devices.clone(),
+            process_group: self.process_group.clone(),
             config: self.config.clone(),
             on_error: self.on_error,
             report: self.report.clone(),
@@ -103,10 +106,38 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     pub fn new(devices: Vec<Device<TrainingBackend<LC>>>) -> Self {
         Self {
             devices,
+            process_group: None,
             config: DdpConfig::default(),
             on_error: OnError::Panic,
             report: Arc::default(),
             error: Arc::default(),
+        }
+    }
+
+    /// One replica on `device` in this process, as rank `group.rank()` of a multi-process job
+    /// (one process per device, started by `burn-ddp run`, torchrun, srun or mpirun). Every
+    /// process of the job runs the same training with its own strategy; global rank 0 emits
+    /// burn-train's events, validates and writes checkpoints, the other ranks stay silent.
+    ///
+    /// ```no_run
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn::train::{SupervisedTraining, LearningComponentsTypes};
+    /// # fn doc<LC: LearningComponentsTypes<Backend = Autodiff<Flex>> + Send + 'static>(training: SupervisedTraining<LC>) -> Result<SupervisedTraining<LC>, burn_ddp::DdpError> {
+    /// use std::sync::Arc;
+    /// use burn_ddp::{DdpStrategy, TcpGroup, TcpGroupOptions};
+    /// // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the launcher.
+    /// let group = Arc::new(TcpGroup::from_env(&TcpGroupOptions::default())?);
+    /// let strategy = DdpStrategy::with_process_group(Default::default(), group);
+    /// Ok(training.with_training_strategy(strategy.into()))
+    /// # }
+    /// ```
+    pub fn with_process_group(
+        device: Device<TrainingBackend<LC>>,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Self {
+        Self {
+            process_group: Some(group),
+            ..Self::new(vec![device])
         }
     }
 
@@ -116,9 +147,12 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
         self
     }
 
-    /// Number of replicas.
+    /// Number of replicas in the whole job.
     pub fn world_size(&self) -> usize {
-        self.devices.len()
+        match &self.process_group {
+            Some(group) => group.world_size(),
+            None => self.devices.len(),
+        }
     }
 
     /// The configuration.
@@ -193,8 +227,13 @@ struct Leader<LC: LearningComponentsTypes> {
 
 /// Where a rank's training items go.
 enum Role<LC: LearningComponentsTypes> {
+    /// Global rank 0.
     Leader(Box<Leader<LC>>),
+    /// Another rank in the same process: its items go to rank 0.
     Follower(Sender<TrainingItem<ModelOutput<LC>>>),
+    /// Another rank in its own process: emits nothing, but hands this process's event processor
+    /// back to burn-train.
+    Silent(Box<SupervisedTrainingEventProcessor<LC>>),
 }
 
 /// Everything one rank needs, moved into its thread.
@@ -210,6 +249,9 @@ struct Worker<LC: LearningComponentsTypes> {
     grad_accumulation: usize,
     epochs: std::ops::RangeInclusive<usize>,
     report: Arc<Mutex<TrainingReport>>,
+    /// Average buffers (BatchNorm statistics) across ranks after every step: replicas in other
+    /// processes do not share Burn's `RunningState`.
+    average_buffers: bool,
 }
 
 /// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
@@ -273,17 +315,30 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
         dataloader_valid: ValidLoader<LC>,
         starting_epoch: usize,
     ) -> Result<RunOutcome<LC>> {
-        let world_size = self.devices.len();
+        let world_size = self.world_size();
+        // The ranks this process runs, with their groups and devices.
+        let local: Result<Vec<(usize, Arc<dyn ProcessGroup>)>> = match &self.process_group {
+            Some(group) => Ok(vec![(group.rank(), group.clone())]),
+            None if world_size == 0 => Err(DdpError::InvalidConfig(
+                "DdpStrategy needs at least one device, got none".into(),
+            )),
+            None => ThreadGroup::new_group(world_size).map(|groups| {
+                groups
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, g)| (rank, Arc::new(g) as Arc<dyn ProcessGroup>))
+                    .collect()
+            }),
+        };
         let prepared = self.config.validate().and_then(|()| {
-            if world_size == 0 {
-                return Err(DdpError::InvalidConfig(
-                    "DdpStrategy needs at least one device, got none".into(),
-                ));
-            }
-            split_train_loader::<LC>(&dataloader_train, &self.devices)
+            let local = local?;
+            let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
+            let shards =
+                split_train_loader::<LC>(&dataloader_train, &ranks, world_size, &self.devices)?;
+            Ok((local, shards))
         });
-        let shards = match prepared {
-            Ok(shards) => shards,
+        let (local, shards) = match prepared {
+            Ok(prepared) => prepared,
             // Nothing started: hand burn-train its components back with the error.
             Err(err) => return Ok((learner.model(), components.event_processor, Some(err))),
         };
@@ -292,41 +347,57 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
             epochs: Vec::new(),
             ranks: Vec::new(),
         };
+        let threads = self.process_group.is_none();
         tracing::info!(
-            "burn-ddp: {world_size} replica(s) as threads, {} training items per rank, {}",
+            "burn-ddp: {world_size} replica(s) as {}, {} training items per rank, {}",
+            if threads { "threads" } else { "processes" },
             shards[0].num_items(),
             self.config
         );
 
         let (sender, receiver) = mpsc::channel();
-        let mut leader = Some(Box::new(Leader {
-            event_processor: components.event_processor,
-            dataloader_valid: dataloader_valid.to_device(&self.devices[0]),
-            checkpointer: components.checkpointer,
-            early_stopping: components.early_stopping,
-            event_store: components.event_store,
-            items: receiver,
-        }));
-        let groups = ThreadGroup::new_group(world_size)?;
-        let workers: Vec<Worker<LC>> = groups
+        let mut receiver = Some(receiver);
+        let mut processor = Some(components.event_processor);
+        let mut validation = Some((
+            components.checkpointer,
+            components.early_stopping,
+            components.event_store,
+        ));
+        let workers: Vec<Worker<LC>> = local
             .into_iter()
             .zip(shards)
-            .enumerate()
-            .map(|(rank, (group, dataloader))| Worker {
-                rank,
-                group: Arc::new(group),
-                device: self.devices[rank].clone(),
-                learner: learner.clone(),
-                dataloader,
-                role: match leader.take() {
-                    Some(leader) => Role::Leader(leader),
-                    None => Role::Follower(sender.clone()),
-                },
-                config: self.config.clone(),
-                interrupter: components.interrupter.clone(),
-                grad_accumulation: components.grad_accumulation.unwrap_or(1).max(1),
-                epochs: starting_epoch..=components.num_epochs,
-                report: self.report.clone(),
+            .zip(self.devices.iter().cloned())
+            .map(|(((rank, group), dataloader), device)| {
+                let role = match (rank, processor.take(), validation.take()) {
+                    (
+                        0,
+                        Some(event_processor),
+                        Some((checkpointer, early_stopping, event_store)),
+                    ) => Role::Leader(Box::new(Leader {
+                        event_processor,
+                        dataloader_valid: dataloader_valid.to_device(&device),
+                        checkpointer,
+                        early_stopping,
+                        event_store,
+                        items: receiver.take().unwrap_or_else(|| mpsc::channel().1),
+                    })),
+                    (_, Some(event_processor), _) => Role::Silent(Box::new(event_processor)),
+                    _ => Role::Follower(sender.clone()),
+                };
+                Worker {
+                    rank,
+                    group,
+                    device,
+                    learner: learner.clone(),
+                    dataloader,
+                    role,
+                    config: self.config.clone(),
+                    interrupter: components.interrupter.clone(),
+                    grad_accumulation: components.grad_accumulation.unwrap_or(1).max(1),
+                    epochs: starting_epoch..=components.num_epochs,
+                    report: self.report.clone(),
+                    average_buffers: !threads && world_size > 1,
+                }
             })
             .collect();
         drop(sender);
@@ -361,10 +432,16 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
         let grace = self.config.timeout();
         let mut deadline = (!errors.is_empty()).then(|| Instant::now() + grace);
         let mut leader_parts = None;
-        let mut ranks: Vec<RankReport> = (0..world_size)
-            .map(|rank| RankReport {
-                rank,
-                ..RankReport::default()
+        let mut ranks: std::collections::BTreeMap<usize, RankReport> = running
+            .iter()
+            .map(|&rank| {
+                (
+                    rank,
+                    RankReport {
+                        rank,
+                        ..RankReport::default()
+                    },
+                )
             })
             .collect();
         while !running.is_empty() {
@@ -382,7 +459,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
                 errors.push(err);
                 deadline.get_or_insert_with(|| Instant::now() + grace);
             }
-            ranks[rank] = finished.report;
+            ranks.insert(rank, finished.report);
             if finished.leader.is_some() {
                 leader_parts = finished.leader;
             }
@@ -395,7 +472,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
             tracing::error!("burn-ddp: {err}");
             errors.push(err);
         }
-        lock(&self.report).ranks = ranks;
+        lock(&self.report).ranks = ranks.into_values().collect();
         let error = root_cause(errors);
         match leader_parts {
             Some((model, processor)) => Ok((model, processor, error)),
@@ -409,13 +486,15 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
     }
 }
 
-/// Splits the training loader into one shard per device: `world_size` equal contiguous slices
-/// (a remainder of fewer than `world_size` items is dropped so every rank has as many batches).
+/// The training shards of `ranks` (global ranks run by this process, on `devices`): the loader is
+/// cut into `world_size` equal contiguous slices (a remainder of fewer than `world_size` items is
+/// dropped so every rank has as many batches) and rank `r` takes slice `r`.
 fn split_train_loader<LC: LearningComponentsTypes>(
     loader: &TrainLoader<LC>,
+    ranks: &[usize],
+    world_size: usize,
     devices: &[Device<TrainingBackend<LC>>],
 ) -> Result<Vec<TrainLoader<LC>>> {
-    let world_size = devices.len();
     let items = loader.num_items();
     let per_rank = items / world_size;
     if per_rank == 0 {
@@ -430,10 +509,10 @@ fn split_train_loader<LC: LearningComponentsTypes>(
             items % world_size
         );
     }
-    Ok(devices
+    Ok(ranks
         .iter()
-        .enumerate()
-        .map(|(rank, device)| {
+        .zip(devices)
+        .map(|(&rank, device)| {
             if world_size == 1 {
                 loader.to_device(device)
             } else {
@@ -498,11 +577,10 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             // Peers must not wait for this rank: fail their collectives at once.
             self.group.abort(&err.to_string());
         }
+        let model = || model_out.unwrap_or_else(|| self.learner.model());
         let leader = match self.role {
-            Role::Leader(leader) => Some((
-                model_out.unwrap_or_else(|| self.learner.model()),
-                leader.event_processor,
-            )),
+            Role::Leader(leader) => Some((model(), leader.event_processor)),
+            Role::Silent(processor) => Some((model(), *processor)),
             Role::Follower(_) => None,
         };
         Finished {
@@ -602,6 +680,10 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     self.learner.lr_step();
                     self.learner.optimizer_step(grads);
                     report.optimizer += started.elapsed();
+                    if self.average_buffers {
+                        let model = ddp.average_buffers(self.learner.model())?;
+                        self.learner.load_model(model.into_record());
+                    }
                     steps += 1;
                     total_steps += 1;
                     let every = self.config.consistency_check_every();
@@ -634,6 +716,8 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                         // it is gone, which the next collective reports.
                         let _ = sender.send(item);
                     }
+                    // Rank 0, in another process, reports its own items.
+                    Role::Silent(_) => {}
                 }
             }
             let train_time = epoch_start.elapsed();

@@ -4,5 +4,6 @@
 
 mod equivalence;
 mod failures;
+mod processes;
 mod replicas;
 mod sampling;

@@ -29,6 +29,7 @@ use burn::train::{
 use burn_ddp::metrics::TrainingReport;
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler,
+    ProcessGroup,
 };
 
 /// The test backend: CPU, one thread per replica.
@@ -318,7 +319,7 @@ pub fn max_relative_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 }
 
 /// How to train in [`run_training`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Run {
     /// `None`: plain Burn on one device (the reference). `Some(n)`: `DdpStrategy` with `n`
     /// replicas.
@@ -337,6 +338,8 @@ pub struct Run {
     pub config: DdpConfig,
     /// With the [`Interrupting`] model: rank 1 calls the interrupter during its N-th batch.
     pub interrupt_after: Option<usize>,
+    /// A process group: this process is one rank of a multi-process job (`replicas` is ignored).
+    pub group: Option<Arc<dyn ProcessGroup>>,
 }
 
 impl Run {
@@ -351,6 +354,7 @@ impl Run {
             seed: 7,
             config: DdpConfig::default(),
             interrupt_after: None,
+            group: None,
         }
     }
 }
@@ -377,27 +381,65 @@ where
     O: Optimizer<M, TestBackend> + 'static,
     S: LrScheduler + 'static,
 {
+    run_training_on(
+        model,
+        optimizer,
+        scheduler,
+        synthetic_dataset(run.samples, 99),
+        synthetic_dataset(run.samples.min(64), 5),
+        ItemBatcher,
+        run,
+    )
+}
+
+/// [`run_training`] on any dataset: `train` and `valid` items, batched by `batcher`.
+pub fn run_training_on<M, O, S, I, Bt>(
+    model: M,
+    optimizer: O,
+    scheduler: S,
+    train: Vec<I>,
+    valid: Vec<I>,
+    batcher: Bt,
+    run: &Run,
+) -> Result<Trained, DdpError>
+where
+    M: TrainStep<Output = ClassificationOutput<TestBackend>>
+        + AutodiffModule<TestBackend>
+        + core::fmt::Display
+        + 'static,
+    M::InnerModule: InferenceStep<Output = ClassificationOutput<NdArray>>,
+    O: Optimizer<M, TestBackend> + 'static,
+    S: LrScheduler + 'static,
+    I: Send + Sync + Clone + 'static,
+    Bt: Batcher<TestBackend, I, <M as TrainStep>::Input>
+        + Batcher<NdArray, I, <M::InnerModule as InferenceStep>::Input>
+        + Clone
+        + 'static,
+{
     let device = burn::tensor::Device::<TestBackend>::default();
-    let world_size = run.replicas.unwrap_or(1).max(1);
-    let items = Arc::new(InMemDataset::new(synthetic_dataset(run.samples, 99)));
-    let sampler = DistributedSampler::new(run.samples, world_size)?.with_seed(run.seed);
-    let train: Arc<dyn DataLoader<TestBackend, Batch<TestBackend>>> =
+    let world_size = match &run.group {
+        Some(group) => group.world_size(),
+        None => run.replicas.unwrap_or(1).max(1),
+    };
+    let samples = train.len();
+    let sampler = DistributedSampler::new(samples, world_size)?.with_seed(run.seed);
+    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> =
         Arc::new(DistributedDataLoader::new(
-            items.clone(),
-            ItemBatcher,
+            Arc::new(InMemDataset::new(train)),
+            batcher.clone(),
             sampler,
             run.global_batch / world_size,
             device,
         )?);
-    let valid_sampler = DistributedSampler::new(run.samples.min(64), 1)?.without_shuffle();
-    let valid_items = Arc::new(InMemDataset::new(synthetic_dataset(run.samples.min(64), 5)));
-    let valid: Arc<dyn DataLoader<NdArray, Batch<NdArray>>> = Arc::new(DistributedDataLoader::new(
-        valid_items,
-        ItemBatcher,
-        valid_sampler,
-        32,
-        device,
-    )?);
+    let valid_sampler = DistributedSampler::new(valid.len(), 1)?.without_shuffle();
+    let valid_loader: Arc<dyn DataLoader<NdArray, <M::InnerModule as InferenceStep>::Input>> =
+        Arc::new(DistributedDataLoader::new(
+            Arc::new(InMemDataset::new(valid)),
+            batcher,
+            valid_sampler,
+            32,
+            device,
+        )?);
 
     let learner = Learner::new(model, optimizer, scheduler);
     let directory = std::env::temp_dir().join(format!(
@@ -405,7 +447,7 @@ where
         std::process::id(),
         std::thread::current().id()
     ));
-    let mut training = SupervisedTraining::new(directory, train, valid)
+    let mut training = SupervisedTraining::new(directory, train_loader, valid_loader)
         .num_epochs(run.epochs)
         .renderer(SilentRenderer)
         .with_metric_logger(InMemoryMetricLogger::new())
@@ -418,20 +460,20 @@ where
     {
         *slot = Some((training.interrupter(), n));
     }
-    match run.replicas {
-        None => {
+    let strategy = match (&run.group, run.replicas) {
+        (Some(group), _) => DdpStrategy::with_process_group(device, group.clone()),
+        (None, Some(n)) => DdpStrategy::new(vec![device; n]),
+        (None, None) => {
             let result = training
                 .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
                 .launch(learner);
-            Ok((float_tensors(&result.model), None))
+            return Ok((float_tensors(&result.model), None));
         }
-        Some(n) => {
-            let strategy = DdpStrategy::new(vec![device; n]).with_config(run.config.clone());
-            let handle = strategy.clone();
-            let result = training.launch_ddp(learner, strategy)?;
-            Ok((float_tensors(&result.model), Some(handle.report())))
-        }
-    }
+    };
+    let strategy = strategy.with_config(run.config.clone());
+    let handle = strategy.clone();
+    let result = training.launch_ddp(learner, strategy)?;
+    Ok((float_tensors(&result.model), Some(handle.report())))
 }
 
 /// A freshly initialised model whose lazily created parameters are materialised, so clones share
@@ -444,4 +486,166 @@ pub fn materialized<M: Module<TestBackend>>(model: M) -> M {
 /// The default device of the test backend.
 pub fn device() -> burn::tensor::Device<TestBackend> {
     Default::default()
+}
+
+/// The Fashion-MNIST example's CNN behind a per-batch hook (for the multi-process tests: slow
+/// steps, injected failures, "I am here" files).
+#[derive(Module, Debug)]
+pub struct ExampleCnn<B: Backend> {
+    inner: fashion_mnist::model::Cnn<B>,
+}
+
+/// Called by [`ExampleCnn`] with the number of batches this thread trained so far (1-based).
+pub type StepHook = Box<dyn Fn(usize) + Send + Sync>;
+
+/// The hook of [`ExampleCnn`] in this process, set once (by the test worker program).
+pub static STEP_HOOK: std::sync::OnceLock<StepHook> = std::sync::OnceLock::new();
+
+thread_local! {
+    static CNN_BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl<B: Backend> ExampleCnn<B> {
+    /// The example's CNN on `device`, with deterministic parameters: every value is a function of
+    /// `seed` and its position, so separate processes build bit-identical models without sharing
+    /// a random generator.
+    pub fn deterministic(device: &B::Device, seed: u64) -> Self {
+        struct Fill(u64, usize);
+        impl<B: Backend> burn::module::ModuleMapper<B> for Fill {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let shape = tensor.shape();
+                let n = shape.num_elements();
+                let fan = (n as f32).sqrt().max(1.0);
+                let values: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let x = (self.0 ^ ((self.1 as u64) << 32) ^ i as u64)
+                            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                        ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) / fan
+                    })
+                    .collect();
+                self.1 += 1;
+                let value =
+                    Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device());
+                let value = if tensor.is_require_grad() {
+                    value.require_grad()
+                } else {
+                    value
+                };
+                Param::from_mapped_value(id, value, mapper)
+            }
+        }
+        let model = fashion_mnist::model::Cnn::new(device).map(&mut Fill(seed, 0));
+        Self { inner: model }
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for ExampleCnn<B> {
+    type Input = fashion_mnist::data::FashionBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Self::Input) -> TrainOutput<ClassificationOutput<B>> {
+        let batches = CNN_BATCHES.with(|b| {
+            b.set(b.get() + 1);
+            b.get()
+        });
+        if let Some(hook) = STEP_HOOK.get() {
+            hook(batches);
+        }
+        TrainStep::step(&self.inner, batch)
+    }
+}
+
+impl<B: Backend> InferenceStep for ExampleCnn<B> {
+    type Input = fashion_mnist::data::FashionBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Self::Input) -> ClassificationOutput<B> {
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
+/// `len` synthetic Fashion-MNIST-shaped images (deterministic pixels and labels).
+pub fn synthetic_images(len: usize, seed: u64) -> Vec<fashion_mnist::data::FashionItem> {
+    (0..len)
+        .map(|i| {
+            let base = (seed as usize).wrapping_mul(131).wrapping_add(i * 7919);
+            fashion_mnist::data::FashionItem {
+                pixels: (0..fashion_mnist::data::PIXELS)
+                    .map(|p| ((base + p * 31) % 256) as u8)
+                    .collect(),
+                label: ((base / 7) % 10) as u8,
+            }
+        })
+        .collect()
+}
+
+/// Trains the example CNN for `steps` steps (per-rank batch `per_rank_batch`) as one rank of
+/// `group` (or, without a group, with `replicas` threads), Adam, 1 epoch, seed 11. Returns the
+/// trained model's float tensors.
+pub fn train_example_cnn(
+    group: Option<Arc<dyn ProcessGroup>>,
+    replicas: usize,
+    steps: usize,
+    per_rank_batch: usize,
+    config: DdpConfig,
+) -> Result<Trained, DdpError> {
+    let world_size = group.as_ref().map_or(replicas, |g| g.world_size());
+    let global_batch = per_rank_batch * world_size;
+    let mut run = Run::new(Some(replicas), global_batch, steps * global_batch);
+    run.group = group;
+    run.config = config;
+    run.seed = 11;
+    run_training_on(
+        ExampleCnn::<TestBackend>::deterministic(&device(), 11),
+        burn::optim::AdamConfig::new().init(),
+        1e-3,
+        synthetic_images(steps * global_batch, 3),
+        synthetic_images(8, 4),
+        fashion_mnist::data::FashionBatcher,
+        &run,
+    )
+}
+
+/// Writes tensors as `u64` length then little-endian `f32` values, tensor after tensor.
+pub fn write_tensors(path: &std::path::Path, tensors: &[Vec<f32>]) -> std::io::Result<()> {
+    let mut bytes = Vec::new();
+    for t in tensors {
+        bytes.extend_from_slice(&(t.len() as u64).to_le_bytes());
+        for v in t {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    std::fs::write(path, bytes)
+}
+
+/// Reads what [`write_tensors`] wrote.
+pub fn read_tensors(path: &std::path::Path) -> std::io::Result<Vec<Vec<f32>>> {
+    let bytes = std::fs::read(path)?;
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + 8 <= bytes.len() {
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&bytes[at..at + 8]);
+        let len = u64::from_le_bytes(len) as usize;
+        at += 8;
+        let end = at + 4 * len;
+        if end > bytes.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "truncated",
+            ));
+        }
+        out.push(
+            bytes[at..end]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        );
+        at = end;
+    }
+    Ok(out)
 }

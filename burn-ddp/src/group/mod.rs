@@ -17,16 +17,21 @@
 //!   [`DdpError::Timeout`](crate::DdpError::Timeout) naming the ranks that did not arrive;
 //! - a failed collective aborts the group: every later call on any rank fails at once with
 //!   [`DdpError::Aborted`](crate::DdpError::Aborted), so one failure ends the whole job quickly;
-//! - all-reduce results are bit-identical on every rank (the reduction order is fixed, rank 0 to
-//!   rank N-1, and independent of timing).
+//! - all-reduce results are bit-identical on every rank: the buffer is split into `world_size`
+//!   chunks ([`chunk_range`]) and chunk `c` is summed in the fixed order `c, c+1, ..., c-1`
+//!   (ranks mod N, the order of a ring all-reduce), independent of timing. All CPU groups use this
+//!   order, so threads and processes give the same bits.
 //!
-//! Implementations: [`ThreadGroup`] (ranks are threads of one process, shared memory).
+//! Implementations: [`ThreadGroup`] (ranks are threads of one process, shared memory) and
+//! [`TcpGroup`] (ranks are processes, on one machine or many, connected by TCP).
 
+mod tcp;
 mod thread;
 
 use std::fmt;
 use std::time::Duration;
 
+pub use tcp::{TcpGroup, TcpGroupOptions};
 pub use thread::ThreadGroup;
 
 use crate::Result;
@@ -39,9 +44,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// How an all-reduce combines the ranks' buffers, element by element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
-    /// Sum over ranks, added in rank order `((r0 + r1) + r2) + ...`.
+    /// Sum over ranks (in ring order, see the [module docs](self)).
     Sum,
-    /// The sum (in rank order) divided by `world_size`: the gradient average of data parallelism.
+    /// The sum divided by `world_size`: the gradient average of data parallelism.
     Avg,
 }
 
@@ -160,8 +165,8 @@ pub trait ProcessGroup: Send + Sync {
 }
 
 /// Splits `len` elements into `parts` contiguous chunks whose sizes differ by at most one; returns
-/// the half-open range of chunk `index`. Used to share the reduction work between ranks.
-pub(crate) fn chunk_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
+/// the half-open range of chunk `index`. All-reduces share the work by these chunks.
+pub fn chunk_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
     let base = len / parts;
     let extra = len % parts;
     let start = index * base + index.min(extra);

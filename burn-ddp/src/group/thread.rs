@@ -8,8 +8,9 @@
 //! collective:
 //!
 //! - all-reduce (reduce-scatter + all-gather, like a ring but through memory): rank `r` reduces
-//!   chunk `r` of every rank's buffer, adding in rank order `0, 1, ..., N-1`, and writes the result
-//!   into its own buffer; after a second barrier every rank copies the other chunks from their
+//!   chunk `r` of every rank's buffer, adding in the order `r, r+1, ..., r-1` (mod N, the order a
+//!   ring all-reduce gives, so [`TcpGroup`](super::TcpGroup) computes the same bits), and writes
+//!   the result into its own buffer; after a second barrier every rank copies the other chunks from their
 //!   owners. Each element is computed once, so all ranks hold the same bits, and the reduction
 //!   work is spread over all ranks' cores.
 //! - broadcast: non-root ranks copy the root's buffer.
@@ -372,18 +373,22 @@ fn withdraw(st: &mut State, rank: usize) {
 /// Number of elements reduced per block: small enough to stay in L1 (8 KiB of `f32`).
 const BLOCK: usize = 2048;
 
-/// Reduces `range` of every rank's buffer into `own`, in rank order.
+/// Reduces `range` of every rank's buffer into `own`, adding the ranks in the order
+/// `first, first + 1, ..., first - 1` (mod N): the order in which a ring all-reduce sums chunk
+/// `first`, so [`TcpGroup`](super::TcpGroup) gives the same bits.
 ///
 /// # Safety
 /// Every address in `addrs` points to a live `f32` buffer of at least `range.end` elements, and no
 /// other thread writes `range` of any of them, nor reads `range` of `own`, during the call.
 unsafe fn reduce_range(
     addrs: &[usize],
+    first: usize,
     own: *mut f32,
     range: std::ops::Range<usize>,
     op: ReduceOp,
 ) {
     let n = addrs.len();
+    let order: Vec<usize> = (0..n).map(|i| addrs[(first + i) % n]).collect();
     let mut acc = [0f32; BLOCK];
     let mut start = range.start;
     while start < range.end {
@@ -392,10 +397,10 @@ unsafe fn reduce_range(
         // SAFETY: per the function contract, the ranges read are live and not written meanwhile.
         unsafe {
             acc.copy_from_slice(std::slice::from_raw_parts(
-                (addrs[0] as *const f32).add(start),
+                (order[0] as *const f32).add(start),
                 len,
             ));
-            for &addr in &addrs[1..] {
+            for &addr in &order[1..] {
                 let src = std::slice::from_raw_parts((addr as *const f32).add(start), len);
                 for (a, s) in acc.iter_mut().zip(src) {
                     *a += *s;
@@ -447,7 +452,7 @@ impl ProcessGroup for ThreadGroup {
         // SAFETY: all ranks posted buffers of `len` elements (checked by `post_and_match`) and are
         // parked in this collective until the last barrier; in this phase rank `r` reads chunk `r`
         // of every buffer and writes chunk `r` of its own only.
-        unsafe { reduce_range(&addrs, own, chunk_range(len, n, self.rank), op) };
+        unsafe { reduce_range(&addrs, self.rank, own, chunk_range(len, n, self.rank), op) };
         self.end_phase(call, Next::Data)?;
 
         // All-gather: copy every other chunk from its owner.
@@ -586,7 +591,7 @@ mod tests {
     }
 
     #[test]
-    fn all_reduce_sums_and_averages_in_rank_order_on_every_rank() {
+    fn all_reduce_sums_and_averages_in_ring_order_on_every_rank() {
         for n in [1usize, 2, 3, 4] {
             let len = 5003; // not a multiple of the block or of n
             let input = |rank: usize, i: usize| ((rank * 31 + i * 7) % 97) as f32 * 0.37 - 11.0;
@@ -598,10 +603,14 @@ mod tests {
                 (sum, avg)
             });
             for i in 0..len {
-                // Independent computation: sequential sum in rank order.
-                let mut expected = input(0, i);
-                for r in 1..n {
-                    expected += input(r, i);
+                // Independent computation: sequential sum starting at the rank that owns the
+                // element's chunk (chunk c is summed c, c+1, ..., c-1).
+                let owner = (0..n)
+                    .find(|&c| chunk_range(len, n, c).contains(&i))
+                    .unwrap();
+                let mut expected = input(owner, i);
+                for k in 1..n {
+                    expected += input((owner + k) % n, i);
                 }
                 for (rank, (sum, avg)) in results.iter().enumerate() {
                     assert_eq!(
@@ -673,7 +682,9 @@ mod tests {
                     assert!(missing.contains(&2), "{err}");
                     assert_eq!(*seq, 0);
                 }
-                DdpError::Aborted { cause, .. } => assert!(cause.contains("2]"), "{err}"),
+                DdpError::Aborted { cause, .. } => {
+                    assert!(cause.contains("rank 2") || cause.contains(", 2"), "{err}")
+                }
                 other => panic!("rank {rank}: unexpected error {other}"),
             }
         }

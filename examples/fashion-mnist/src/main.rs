@@ -5,8 +5,6 @@
 //! accuracy and the training throughput, then each rank's time in communication.
 //! `--workers 1` trains with plain Burn on one device, the reference.
 
-mod data;
-mod model;
 mod printer;
 
 use std::path::PathBuf;
@@ -23,8 +21,8 @@ use burn::train::{ExecutionStrategy, Learner, SupervisedTraining};
 use burn_ddp::{DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler};
 use clap::{Parser, ValueEnum};
 
-use crate::data::{FashionBatcher, FashionItem};
-use crate::model::Cnn;
+use fashion_mnist::data::{self, FashionBatcher, FashionItem};
+use fashion_mnist::model::Cnn;
 
 /// Train a CNN on Fashion-MNIST with data parallelism (burn-ddp).
 #[derive(Parser, Debug)]

@@ -1,0 +1,530 @@
+//! The launcher: starts one worker process per device on this machine, the way `torchrun` does.
+//!
+//! For each local worker it sets the environment [`Topology`](crate::Topology) reads (`RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, plus
+//! `GROUP_RANK`/`NODE_RANK`, `BURN_DDP_LAUNCHER`, `BURN_DDP_RESTART_COUNT`), serves the
+//! rendezvous store on node 0 (so it outlives restarts), prefixes every line a worker prints with
+//! `[rank R] `, optionally copies each worker's lines to `LOG_DIR/rank-R.log`, and watches the
+//! workers: when one fails (non-zero exit code or a signal) it stops the others (SIGTERM, then
+//! SIGKILL after a grace period) and either restarts the whole group (`max_restarts`) or returns
+//! an error naming the rank and how it ended.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::store::StoreServer;
+use crate::topology::{AGENT_STORE_VAR, DEFAULT_MASTER_PORT, LAUNCHER_VAR, RESTART_COUNT_VAR};
+use crate::{DdpError, Result};
+
+/// What to launch and how.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// Worker processes on this machine (one per device).
+    pub nproc_per_node: usize,
+    /// Machines in the job (each runs a launcher).
+    pub nnodes: usize,
+    /// This machine's index in `0..nnodes`; node 0 serves the rendezvous store.
+    pub node_rank: usize,
+    /// Address of node 0, reachable from every node.
+    pub master_addr: String,
+    /// Port of the rendezvous store on node 0.
+    pub master_port: u16,
+    /// How many times the whole group may be restarted after a failure.
+    pub max_restarts: u32,
+    /// Directory for one log file per rank (`rank-R.log`), if any.
+    pub log_dir: Option<PathBuf>,
+    /// How long stopped workers get between SIGTERM and SIGKILL.
+    pub kill_grace: Duration,
+    /// The worker program.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Extra environment variables for the workers.
+    pub env: Vec<(String, String)>,
+}
+
+impl LaunchConfig {
+    /// `nproc_per_node` copies of `program args` on this machine, store at 127.0.0.1:29500.
+    pub fn new(nproc_per_node: usize, program: impl Into<PathBuf>, args: Vec<String>) -> Self {
+        Self {
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: DEFAULT_MASTER_PORT,
+            max_restarts: 0,
+            log_dir: None,
+            kill_grace: Duration::from_secs(5),
+            program: program.into(),
+            args,
+            env: Vec::new(),
+        }
+    }
+
+    /// Number of workers in the whole job.
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.nproc_per_node == 0 || self.nnodes == 0 {
+            return Err(DdpError::InvalidConfig(format!(
+                "--nproc-per-node ({}) and --nnodes ({}) must be at least 1",
+                self.nproc_per_node, self.nnodes
+            )));
+        }
+        if self.node_rank >= self.nnodes {
+            return Err(DdpError::InvalidConfig(format!(
+                "--node-rank {} is not below --nnodes {}",
+                self.node_rank, self.nnodes
+            )));
+        }
+        if self.master_port == 0 {
+            return Err(DdpError::InvalidConfig(
+                "--master-port 0 is not usable".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How a worker process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerExit {
+    /// It exited with this code.
+    Code(i32),
+    /// A signal ended it (Unix).
+    Signal(i32),
+}
+
+impl WorkerExit {
+    fn of(status: ExitStatus) -> WorkerExit {
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::ExitStatusExt;
+            if let Some(signal) = status.signal() {
+                return WorkerExit::Signal(signal);
+            }
+        }
+        WorkerExit::Code(status.code().unwrap_or(-1))
+    }
+
+    /// Whether it ended successfully (exit code 0).
+    pub fn success(&self) -> bool {
+        *self == WorkerExit::Code(0)
+    }
+}
+
+impl std::fmt::Display for WorkerExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorkerExit::Code(code) => write!(f, "exited with code {code}"),
+            WorkerExit::Signal(signal) => {
+                write!(
+                    f,
+                    "was killed by signal {signal} ({})",
+                    signal_name(*signal)
+                )
+            }
+        }
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        15 => "SIGTERM",
+        _ => "unknown signal",
+    }
+}
+
+/// How one attempt of the group ended, per local worker.
+#[derive(Debug, Clone)]
+pub struct AttemptReport {
+    /// Restart round (0 for the first attempt).
+    pub attempt: u32,
+    /// `(global rank, pid, how it ended)` of every local worker.
+    pub workers: Vec<(usize, u32, WorkerExit)>,
+    /// The first worker that failed, if any: `(global rank, pid, how)`.
+    pub first_failure: Option<(usize, u32, WorkerExit)>,
+}
+
+/// Runs the job's local workers to completion, restarting the group up to `max_restarts` times.
+/// Returns every attempt's report when the last attempt succeeded.
+///
+/// # Errors
+/// [`DdpError::WorkerExited`] naming the first worker that failed in the last attempt and how
+/// (exit code or signal), with every attempt in the message; [`DdpError::Store`] when node 0
+/// cannot serve the store (port in use); [`DdpError::InvalidConfig`]; [`DdpError::Launch`] when a
+/// worker cannot be started.
+pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
+    config.validate()?;
+    // Node 0 serves the store for the whole job, restarts included.
+    let _store = if config.node_rank == 0 {
+        Some(StoreServer::bind(SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            config.master_port,
+        ))?)
+    } else {
+        None
+    };
+    if let Some(dir) = &config.log_dir {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            DdpError::Launch(format!(
+                "cannot create the log directory {}: {e}",
+                dir.display()
+            ))
+        })?;
+    }
+    let mut reports = Vec::new();
+    let mut attempt = 0;
+    loop {
+        let report = run_attempt(config, attempt)?;
+        let failure = report.first_failure;
+        reports.push(report);
+        match failure {
+            None => return Ok(reports),
+            Some((rank, pid, how)) if attempt < config.max_restarts => {
+                attempt += 1;
+                eprintln!(
+                    "burn-ddp: rank {rank} (pid {pid}) {how}; restarting the group (restart {attempt} of {})",
+                    config.max_restarts
+                );
+            }
+            Some((rank, pid, how)) => {
+                return Err(DdpError::WorkerExited {
+                    rank,
+                    pid,
+                    how: how.to_string(),
+                    attempts: attempt + 1,
+                });
+            }
+        }
+    }
+}
+
+struct Running {
+    rank: usize,
+    child: Child,
+    pumps: Vec<JoinHandle<()>>,
+    exit: Option<WorkerExit>,
+}
+
+fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
+    let world_size = config.world_size();
+    let mut workers: Vec<Running> = Vec::new();
+    let stdout = Arc::new(Mutex::new(std::io::stdout()));
+    let stderr = Arc::new(Mutex::new(std::io::stderr()));
+    for local_rank in 0..config.nproc_per_node {
+        let rank = config.node_rank * config.nproc_per_node + local_rank;
+        let mut command = Command::new(&config.program);
+        command
+            .args(&config.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world_size.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string())
+            .env("GROUP_RANK", config.node_rank.to_string())
+            .env("NODE_RANK", config.node_rank.to_string())
+            .env("MASTER_ADDR", &config.master_addr)
+            .env("MASTER_PORT", config.master_port.to_string())
+            .env(LAUNCHER_VAR, "1")
+            .env(AGENT_STORE_VAR, "1")
+            .env(RESTART_COUNT_VAR, attempt.to_string())
+            .envs(config.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // Each worker leads its own process group, so stopping it also stops what it started
+        // (data-loading processes, a shell's children) and nothing keeps its output open.
+        #[cfg(unix)]
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                stop_all(&mut workers, config.kill_grace);
+                return Err(DdpError::Launch(format!(
+                    "cannot start rank {rank} ({}): {e}",
+                    config.program.display()
+                )));
+            }
+        };
+        let log = match &config.log_dir {
+            Some(dir) => {
+                let path = dir.join(format!("rank-{rank}.log"));
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(|e| {
+                        DdpError::Launch(format!("cannot open {}: {e}", path.display()))
+                    })?;
+                Some(Arc::new(Mutex::new(file)))
+            }
+            None => None,
+        };
+        let mut pumps = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            pumps.push(pump(out, rank, stdout.clone(), log.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(pump(err, rank, stderr.clone(), log.clone()));
+        }
+        workers.push(Running {
+            rank,
+            child,
+            pumps,
+            exit: None,
+        });
+    }
+
+    let mut first_failure = None;
+    loop {
+        for worker in workers.iter_mut().filter(|w| w.exit.is_none()) {
+            if let Ok(Some(status)) = worker.child.try_wait() {
+                let exit = WorkerExit::of(status);
+                worker.exit = Some(exit);
+                if !exit.success() && first_failure.is_none() {
+                    let pid = worker.child.id();
+                    eprintln!(
+                        "burn-ddp: rank {} (pid {pid}) {exit}; stopping the other ranks",
+                        worker.rank
+                    );
+                    first_failure = Some((worker.rank, pid, exit));
+                }
+            }
+        }
+        if first_failure.is_some() {
+            stop_all(&mut workers, config.kill_grace);
+            break;
+        }
+        if workers.iter().all(|w| w.exit.is_some()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut report = AttemptReport {
+        attempt,
+        workers: Vec::new(),
+        first_failure,
+    };
+    for worker in workers {
+        let pid = worker.child.id();
+        // The pumps end when every holder of the worker's output has exited; grandchildren that
+        // escaped its process group could hold it open, so do not wait for them forever.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for pump in worker.pumps {
+            while !pump.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if pump.is_finished() {
+                let _ = pump.join();
+            }
+        }
+        report.workers.push((
+            worker.rank,
+            pid,
+            worker.exit.unwrap_or(WorkerExit::Code(-1)),
+        ));
+    }
+    Ok(report)
+}
+
+/// Stops every worker still running: SIGTERM, then SIGKILL for those alive after `grace`.
+fn stop_all(workers: &mut [Running], grace: Duration) {
+    for worker in workers.iter_mut().filter(|w| w.exit.is_none()) {
+        signal_group(&worker.child, Signal::Terminate);
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && workers.iter().any(|w| w.exit.is_none()) {
+        for worker in workers.iter_mut().filter(|w| w.exit.is_none()) {
+            if let Ok(Some(status)) = worker.child.try_wait() {
+                worker.exit = Some(WorkerExit::of(status));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for worker in workers.iter_mut().filter(|w| w.exit.is_none()) {
+        signal_group(&worker.child, Signal::Kill);
+        let _ = worker.child.kill();
+        worker.exit = worker.child.wait().ok().map(WorkerExit::of);
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Signal {
+    Terminate,
+    Kill,
+}
+
+/// Sends a signal to the worker's process group (its pid: each worker leads its own group).
+#[cfg(unix)]
+fn signal_group(child: &Child, signal: Signal) {
+    let signal = match signal {
+        Signal::Terminate => libc::SIGTERM,
+        Signal::Kill => libc::SIGKILL,
+    };
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: `kill` only sends a signal. A negative pid names the process group our child
+        // leads (set with `process_group(0)` at spawn), which contains only its processes.
+        unsafe {
+            libc::kill(-pid, signal);
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn signal_group(child: &Child, _signal: Signal) {
+    let _ = child;
+}
+
+/// Copies a worker's output line by line, prefixed with `[rank R] `, to `sink` and `log`.
+fn pump(
+    stream: impl std::io::Read + Send + 'static,
+    rank: usize,
+    sink: Arc<Mutex<impl Write + Send + 'static>>,
+    log: Option<Arc<Mutex<std::fs::File>>>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stream);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    if !line.ends_with(b"\n") {
+                        line.push(b'\n');
+                    }
+                    let prefixed = [format!("[rank {rank}] ").as_bytes(), &line].concat();
+                    if let Ok(mut sink) = sink.lock() {
+                        let _ = sink.write_all(&prefixed);
+                        let _ = sink.flush();
+                    }
+                    if let Some(log) = &log
+                        && let Ok(mut file) = log.lock()
+                    {
+                        let _ = file.write_all(&prefixed);
+                    }
+                }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn sh(script: &str, n: usize) -> LaunchConfig {
+        let mut config = LaunchConfig::new(n, "/bin/sh", vec!["-c".into(), script.into()]);
+        config.master_port = free_port();
+        config.kill_grace = Duration::from_secs(2);
+        config
+    }
+
+    #[test]
+    fn workers_get_the_environment_and_their_lines_are_prefixed() {
+        let dir = tempfile_dir();
+        let mut config = sh(
+            "echo \"rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK/$LOCAL_WORLD_SIZE \
+             master=$MASTER_ADDR:$MASTER_PORT restart=$BURN_DDP_RESTART_COUNT\"",
+            2,
+        );
+        config.log_dir = Some(dir.clone());
+        let reports = launch(&config).unwrap();
+        assert_eq!(reports.len(), 1);
+        for rank in 0..2 {
+            let log = std::fs::read_to_string(dir.join(format!("rank-{rank}.log"))).unwrap();
+            assert_eq!(
+                log,
+                format!(
+                    "[rank {rank}] rank={rank} world=2 local={rank}/2 master=127.0.0.1:{} restart=0\n",
+                    config.master_port
+                )
+            );
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_failing_worker_stops_the_others_and_is_named() {
+        let started = Instant::now();
+        // Rank 1 fails at once; rank 0 would sleep for a minute.
+        let config = sh("if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60", 2);
+        let err = launch(&config).unwrap_err();
+        match &err {
+            DdpError::WorkerExited { rank, how, .. } => {
+                assert_eq!(*rank, 1);
+                assert_eq!(how, "exited with code 3");
+            }
+            other => panic!("expected WorkerExited, got {other}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn a_signal_is_named_and_restarts_rerun_the_group() {
+        // Attempt 0: rank 0 kills itself with SIGKILL; attempt 1 succeeds.
+        let mut config = sh(
+            "if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exit 0",
+            2,
+        );
+        config.max_restarts = 1;
+        let reports = launch(&config).unwrap();
+        assert_eq!(reports.len(), 2);
+        let (rank, _, how) = reports[0].first_failure.unwrap();
+        assert_eq!(rank, 0);
+        assert_eq!(how, WorkerExit::Signal(9));
+        assert_eq!(how.to_string(), "was killed by signal 9 (SIGKILL)");
+        assert!(reports[1].workers.iter().all(|(_, _, exit)| exit.success()));
+    }
+
+    #[test]
+    fn bad_configurations_are_errors() {
+        let mut config = sh("true", 1);
+        config.node_rank = 1;
+        assert!(matches!(launch(&config), Err(DdpError::InvalidConfig(_))));
+        let config = LaunchConfig {
+            master_port: free_port(),
+            ..LaunchConfig::new(1, "/nonexistent/program", Vec::new())
+        };
+        assert!(matches!(launch(&config), Err(DdpError::Launch(_))));
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-ddp-launch-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+}

@@ -1,0 +1,274 @@
+//! Rendezvous: the processes of a job find each other through the [store](crate::store).
+//!
+//! Each process claims its rank, publishes its world size and the address where it accepts
+//! process-group connections, and waits until every rank has done the same. Failures name what
+//! happened: "expected 4 ranks, 2 arrived (0, 1) after 30 s", a rank claimed twice, ranks that
+//! disagree on the world size, a port already in use.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::store::{StoreClient, StoreServer};
+use crate::topology::Topology;
+use crate::{DdpError, Result};
+
+/// Default rendezvous timeout: 300 s, like the collectives'.
+pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The outcome of a rendezvous.
+pub struct Rendezvous {
+    /// The connection to the store.
+    pub store: Arc<StoreClient>,
+    /// The store server, when this process serves it (rank 0 without a launcher); it must live
+    /// as long as other processes may still use the store.
+    pub server: Option<StoreServer>,
+    /// Every rank's process-group address (`ip:port`), indexed by rank.
+    pub peer_addrs: Vec<String>,
+    /// The key prefix of this rendezvous round (`burn-ddp/round-<restart count>`).
+    pub prefix: String,
+}
+
+/// Meets the other processes of `topology`'s job. `listen_addr` is where this process accepts
+/// process-group connections. Rank 0 serves the store at `MASTER_PORT` unless a launcher does.
+///
+/// # Errors
+/// [`DdpError::Store`] when the store cannot be served (port in use) or reached;
+/// [`DdpError::Rendezvous`] when not every rank arrives within `timeout` (naming the ones that
+/// did), a rank is claimed by two processes, or ranks disagree on the world size.
+pub fn rendezvous(topology: &Topology, listen_addr: &str, timeout: Duration) -> Result<Rendezvous> {
+    let started = Instant::now();
+    let rank = topology.rank;
+    let world_size = topology.world_size;
+    let server = if rank == 0 && !topology.agent_store {
+        let bind = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), topology.master_port);
+        Some(StoreServer::bind(bind)?)
+    } else {
+        None
+    };
+    let store_addr = format!("{}:{}", topology.master_addr, topology.master_port);
+    let store = Arc::new(StoreClient::connect(&store_addr, timeout)?);
+    let prefix = format!("burn-ddp/round-{}", topology.restart_count);
+    let fail = |detail: String| DdpError::Rendezvous { rank, detail };
+
+    let claims = store.add(&format!("{prefix}/rank/{rank}/claims"), 1)?;
+    if claims > 1 {
+        return Err(fail(format!(
+            "rank {rank} is already taken by another process: two processes have RANK={rank}"
+        )));
+    }
+    store.set(
+        &format!("{prefix}/rank/{rank}/info"),
+        format!("{world_size} {listen_addr}").as_bytes(),
+    )?;
+
+    let keys: Vec<String> = (0..world_size)
+        .map(|r| format!("{prefix}/rank/{r}/info"))
+        .collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let deadline = started.checked_add(timeout);
+    let mut infos: Vec<Option<(usize, String)>> = vec![None; world_size];
+    let list = |ranks: &[usize]| {
+        ranks
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    // "expected 3 ranks, 2 arrived (0, 1) <when>; missing rank(s) 2 (store ...)".
+    let incomplete = |infos: &[Option<(usize, String)>], when: String| {
+        let arrived: Vec<usize> = (0..world_size).filter(|&r| infos[r].is_some()).collect();
+        let missing: Vec<usize> = (0..world_size).filter(|&r| infos[r].is_none()).collect();
+        fail(format!(
+            "expected {world_size} ranks, {} arrived ({}) {when}; missing rank(s) {} (store \
+             {store_addr})",
+            arrived.len(),
+            list(&arrived),
+            list(&missing),
+        ))
+    };
+    loop {
+        let present = match store.check(&key_refs) {
+            Ok(present) => present,
+            // The store's process ended (rank 0 gave up first, or died): say who was there.
+            Err(e) => {
+                return Err(incomplete(
+                    &infos,
+                    format!("when the store stopped answering ({e})"),
+                ));
+            }
+        };
+        for (r, here) in present.iter().enumerate() {
+            if *here && infos[r].is_none() {
+                let raw = store.get(&keys[r], Duration::from_secs(5))?;
+                let text = String::from_utf8_lossy(&raw).to_string();
+                let (world, addr) = text
+                    .split_once(' ')
+                    .and_then(|(w, a)| Some((w.parse::<usize>().ok()?, a.to_string())))
+                    .ok_or_else(|| {
+                        fail(format!("rank {r} published a malformed entry {text:?}"))
+                    })?;
+                if world != world_size {
+                    return Err(fail(format!(
+                        "rank {r} has WORLD_SIZE={world} but this rank (rank {rank}) has \
+                         WORLD_SIZE={world_size}"
+                    )));
+                }
+                infos[r] = Some((world, addr));
+            }
+        }
+        if infos.iter().all(Option::is_some) {
+            break;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(incomplete(
+                &infos,
+                format!("after {} s", timeout.as_secs_f64()),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tracing::debug!(
+        "burn-ddp: rank {rank}: all {world_size} ranks met in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(Rendezvous {
+        store,
+        server,
+        peer_addrs: infos
+            .into_iter()
+            .map(|info| info.map(|(_, addr)| addr).unwrap_or_default())
+            .collect(),
+        prefix,
+    })
+}
+
+/// The local IP address this machine uses to reach `host:port` (no packet is sent: a UDP socket
+/// is only connected, which picks the route). Falls back to 127.0.0.1.
+pub fn local_ip_towards(host: &str, port: u16) -> IpAddr {
+    let probe = || -> Option<IpAddr> {
+        let target = (host, port).to_socket_addrs().ok()?.next()?;
+        let bind = match target {
+            SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+            SocketAddr::V6(_) => SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 0),
+        };
+        let socket = UdpSocket::bind(bind).ok()?;
+        socket.connect(target).ok()?;
+        let ip = socket.local_addr().ok()?.ip();
+        (!ip.is_unspecified()).then_some(ip)
+    };
+    probe().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::TopologySource;
+    use std::net::TcpListener;
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn topology(rank: usize, world_size: usize, port: u16) -> Topology {
+        Topology {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            agent_store: false,
+            restart_count: 0,
+            source: TopologySource::Torchrun,
+        }
+    }
+
+    #[test]
+    fn ranks_meet_and_learn_each_others_addresses() {
+        let port = free_port();
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    rendezvous(
+                        &topology(rank, 3, port),
+                        &format!("127.0.0.1:{}", 4000 + rank),
+                        Duration::from_secs(10),
+                    )
+                    .map(|r| r.peer_addrs)
+                })
+            })
+            .collect();
+        for handle in handles {
+            assert_eq!(
+                handle.join().unwrap().unwrap(),
+                vec!["127.0.0.1:4000", "127.0.0.1:4001", "127.0.0.1:4002"]
+            );
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_is_named_within_the_timeout() {
+        let port = free_port();
+        let started = Instant::now();
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    rendezvous(
+                        &topology(rank, 3, port),
+                        "127.0.0.1:1",
+                        Duration::from_secs(1),
+                    )
+                    .err()
+                    .map(|e| e.to_string())
+                })
+            })
+            .collect();
+        for handle in handles {
+            let message = handle.join().unwrap().expect("rendezvous must fail");
+            assert!(
+                message.contains("expected 3 ranks, 2 arrived (0, 1) after 1 s; missing rank(s) 2"),
+                "{message}"
+            );
+        }
+        assert!(started.elapsed() < Duration::from_secs(8));
+    }
+
+    #[test]
+    fn a_duplicate_rank_and_a_different_world_size_are_errors() {
+        let port = free_port();
+        let first = std::thread::spawn(move || {
+            rendezvous(&topology(0, 2, port), "127.0.0.1:1", Duration::from_secs(2)).err()
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        // A second process claiming rank 0 (it connects to the store rank 0 serves).
+        let mut duplicate = topology(0, 2, port);
+        duplicate.agent_store = true;
+        let err = rendezvous(&duplicate, "127.0.0.1:2", Duration::from_secs(2))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("two processes have RANK=0"), "{err}");
+        // A rank 1 that believes the world has 3 ranks.
+        let mut wrong = topology(1, 3, port);
+        wrong.agent_store = true;
+        let err = rendezvous(&wrong, "127.0.0.1:3", Duration::from_secs(2))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("WORLD_SIZE=2") && err.contains("WORLD_SIZE=3"),
+            "{err}"
+        );
+        let _ = first.join();
+    }
+
+    #[test]
+    fn the_local_ip_towards_loopback_is_loopback() {
+        assert!(local_ip_towards("127.0.0.1", 9).is_loopback());
+    }
+}

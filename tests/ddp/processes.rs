@@ -1,0 +1,434 @@
+//! Multi-process jobs: the launcher, the rendezvous, the TCP process group, and every way a job
+//! can fail, reported by rank within seconds. Workers are the `ddp-worker` program of this crate
+//! (the Fashion-MNIST example's CNN on synthetic images); all traffic is on loopback, or between
+//! network namespaces this test creates.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use burn_ddp::launch::{LaunchConfig, launch};
+use burn_ddp::{DdpConfig, DdpError, ReplicaLayout, TensorKind};
+use burn_ddp_tests::{ExampleCnn, TestBackend, device, read_tensors, train_example_cnn};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_ddp-worker");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn scratch_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn worker_config(n: usize, args: &[&str]) -> LaunchConfig {
+    let mut config = LaunchConfig::new(n, WORKER, args.iter().map(|a| a.to_string()).collect());
+    config.master_port = free_port();
+    config.kill_grace = Duration::from_secs(3);
+    config
+}
+
+/// Starts one worker directly (no launcher) with the given rank environment.
+fn spawn_worker(rank: usize, world_size: usize, port: u16, args: &[&str]) -> Child {
+    Command::new(WORKER)
+        .args(args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world_size.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits (bounded) for a child; returns its success and its stderr.
+fn finish(child: Child, within: Duration) -> (bool, String, Duration) {
+    let started = Instant::now();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let output = rx
+        .recv_timeout(within)
+        .unwrap_or_else(|_| panic!("a worker did not exit within {within:?}"))
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+        started.elapsed(),
+    )
+}
+
+fn wait_for_file(path: &Path, within: Duration) -> String {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && !text.is_empty()
+        {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} did not appear within {within:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn two_and_four_processes_end_with_the_parameters_of_the_same_run_with_threads() {
+    let layout = ReplicaLayout::of(&ExampleCnn::<TestBackend>::deterministic(&device(), 11));
+    for n in [2usize, 4] {
+        let dir = scratch_dir(&format!("procs-{n}"));
+        let out = dir.join("params.bin");
+        let config = worker_config(
+            n,
+            &[
+                "--out",
+                out.to_str().unwrap(),
+                "--steps",
+                "2",
+                "--per-rank-batch",
+                "1",
+            ],
+        );
+        let reports = launch(&config).unwrap();
+        assert_eq!(reports.len(), 1);
+        assert!(reports[0].workers.iter().all(|(_, _, exit)| exit.success()));
+        let processes = read_tensors(&out).unwrap();
+
+        let (threads, _) = train_example_cnn(None, n, 2, 1, DdpConfig::default()).unwrap();
+        assert_eq!(processes.len(), threads.len());
+        for (spec, (p, t)) in layout.tensors().iter().zip(processes.iter().zip(&threads)) {
+            match spec.kind {
+                // The same samples, the same ring order of the sums: the same bits.
+                TensorKind::Parameter => assert!(
+                    p.iter().zip(t).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{n} processes: parameter `{}` differs from the threads' run",
+                    spec.path
+                ),
+                // BatchNorm statistics are averaged in a different order (threads: Burn's
+                // RunningState; processes: the all-reduce), so only to rounding.
+                TensorKind::Buffer => {
+                    for (a, b) in p.iter().zip(t) {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                            "`{}`: {a} vs {b}",
+                            spec.path
+                        );
+                    }
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+#[test]
+fn a_worker_killed_with_sigkill_stops_the_job_and_the_launcher_names_it() {
+    let dir = scratch_dir("kill");
+    let mut config = worker_config(
+        2,
+        &[
+            "--steps",
+            "500",
+            "--per-rank-batch",
+            "1",
+            "--delay-ms",
+            "100",
+            "--ready-dir",
+            dir.to_str().unwrap(),
+        ],
+    );
+    config.log_dir = Some(dir.join("logs"));
+    let (tx, rx) = mpsc::channel();
+    let launcher = std::thread::spawn(move || {
+        let result = launch(&config);
+        let _ = tx.send(Instant::now());
+        result
+    });
+    let pid0: i32 = wait_for_file(&dir.join("pid-0"), Duration::from_secs(120))
+        .trim()
+        .parse()
+        .unwrap();
+    let pid1: i32 = wait_for_file(&dir.join("pid-1"), Duration::from_secs(120))
+        .trim()
+        .parse()
+        .unwrap();
+    let killed = Instant::now();
+    // SAFETY: sends SIGKILL to the worker process this test started (through the launcher).
+    assert_eq!(unsafe { libc::kill(pid1, libc::SIGKILL) }, 0);
+    let ended = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the launcher did not return");
+    assert!(
+        ended - killed < Duration::from_secs(10),
+        "took {:?}",
+        ended - killed
+    );
+    match launcher.join().unwrap() {
+        Err(DdpError::WorkerExited { rank, how, .. }) => {
+            assert_eq!(rank, 1);
+            assert_eq!(how, "was killed by signal 9 (SIGKILL)");
+        }
+        other => panic!("expected the launcher to name rank 1, got {other:?}"),
+    }
+    // Rank 0 is gone too (it failed, or the launcher stopped it).
+    // SAFETY: signal 0 only checks whether the process exists.
+    assert_ne!(
+        unsafe { libc::kill(pid0, 0) },
+        0,
+        "rank 0 (pid {pid0}) still runs"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_dead_peer_is_named_by_the_surviving_rank_within_seconds() {
+    // Without the launcher, nobody stops rank 0: the library itself must report the dead peer.
+    let dir = scratch_dir("dead-peer");
+    let port = free_port();
+    let args = [
+        "--steps",
+        "500",
+        "--per-rank-batch",
+        "1",
+        "--delay-ms",
+        "100",
+        "--timeout-s",
+        "120",
+        "--ready-dir",
+        dir.to_str().unwrap(),
+    ];
+    let rank0 = spawn_worker(0, 2, port, &args);
+    let mut rank1 = spawn_worker(1, 2, port, &args);
+    wait_for_file(&dir.join("pid-1"), Duration::from_secs(120));
+    rank1.kill().unwrap();
+    let _ = rank1.wait();
+    let (success, stderr, waited) = finish(rank0, Duration::from_secs(30));
+    assert!(!success, "rank 0 must fail");
+    assert!(waited < Duration::from_secs(10), "rank 0 took {waited:?}");
+    assert!(stderr.contains("rank 1"), "{stderr}");
+    assert!(
+        stderr.contains("closed") || stderr.contains("left"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn two_processes_with_world_size_3_name_the_missing_rank() {
+    let port = free_port();
+    let args = ["--timeout-s", "5"];
+    let started = Instant::now();
+    let ranks: Vec<Child> = (0..2)
+        .map(|rank| spawn_worker(rank, 3, port, &args))
+        .collect();
+    for child in ranks {
+        let (success, stderr, _) = finish(child, Duration::from_secs(30));
+        assert!(!success);
+        // Whoever times out first ends the store with its process; the other may notice that
+        // first, but both name the ranks that came and the one that did not.
+        assert!(
+            stderr.contains("expected 3 ranks, 2 arrived (0, 1)"),
+            "{stderr}"
+        );
+        assert!(stderr.contains("missing rank(s) 2"), "{stderr}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn the_launcher_restarts_the_group_after_a_failure() {
+    let mut config = worker_config(
+        2,
+        &[
+            "--steps",
+            "2",
+            "--per-rank-batch",
+            "1",
+            "--fail-rank",
+            "1",
+            "--fail-at-batch",
+            "2",
+        ],
+    );
+    config.max_restarts = 1;
+    let reports = launch(&config).unwrap();
+    assert_eq!(reports.len(), 2, "one failed attempt, one restart");
+    let (rank, _, how) = reports[0].first_failure.unwrap();
+    assert_eq!((rank, how.to_string().as_str()), (1, "exited with code 3"));
+    assert!(reports[1].workers.iter().all(|(_, _, exit)| exit.success()));
+}
+
+/// Two hosts as network namespaces joined by a veth pair (needs root and iproute2).
+struct Hosts {
+    names: [String; 2],
+    links: [String; 2],
+}
+
+impl Hosts {
+    const ADDRS: [&'static str; 2] = ["10.213.7.1", "10.213.7.2"];
+
+    fn create() -> Result<Hosts, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not running as root".into());
+        }
+        let tag = std::process::id() % 100_000;
+        let hosts = Hosts {
+            names: [format!("bddp{tag}a"), format!("bddp{tag}b")],
+            links: [format!("vb{tag}a"), format!("vb{tag}b")],
+        };
+        let ip = |args: &[&str]| -> Result<(), String> {
+            let out = Command::new("ip")
+                .args(args)
+                .output()
+                .map_err(|e| format!("cannot run `ip`: {e}"))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "ip {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr)
+                ))
+            }
+        };
+        for name in &hosts.names {
+            ip(&["netns", "add", name])?;
+        }
+        let [a, b] = &hosts.names;
+        let [la, lb] = &hosts.links;
+        ip(&[
+            "link", "add", la, "netns", a, "type", "veth", "peer", "name", lb, "netns", b,
+        ])?;
+        for (i, (ns, link)) in [(a, la), (b, lb)].into_iter().enumerate() {
+            ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{}/24", Hosts::ADDRS[i]),
+                "dev",
+                link,
+            ])?;
+            ip(&["-n", ns, "link", "set", link, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+
+    fn spawn(&self, host: usize, rank: usize, port: u16, args: &[&str]) -> Child {
+        Command::new("ip")
+            .args(["netns", "exec", &self.names[host], WORKER])
+            .args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", Hosts::ADDRS[0])
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    fn cut(&self) {
+        let status = Command::new("ip")
+            .args(["-n", &self.names[0], "link", "set", &self.links[0], "down"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+#[test]
+fn a_two_node_job_trains_across_a_link_and_a_cut_link_names_the_lost_peer() {
+    let hosts = match Hosts::create() {
+        Ok(hosts) => hosts,
+        Err(why) => {
+            eprintln!("skipped: two-host test needs network namespaces: {why}");
+            return;
+        }
+    };
+    // A complete job across the link.
+    let dir = scratch_dir("netns");
+    let out = dir.join("params.bin");
+    let port = 29_531;
+    let args = [
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--per-rank-batch",
+        "1",
+        "--timeout-s",
+        "60",
+    ];
+    let children = [
+        hosts.spawn(0, 0, port, &args),
+        hosts.spawn(1, 1, port, &args),
+    ];
+    for child in children {
+        let (success, stderr, _) = finish(child, Duration::from_secs(120));
+        assert!(success, "{stderr}");
+    }
+    assert!(!read_tensors(&out).unwrap().is_empty());
+
+    // A long job whose link is cut: both sides fail naming the other within the 3 s timeout.
+    let args = [
+        "--steps",
+        "500",
+        "--per-rank-batch",
+        "1",
+        "--delay-ms",
+        "100",
+        "--timeout-s",
+        "3",
+        "--ready-dir",
+        dir.to_str().unwrap(),
+    ];
+    let children = [
+        hosts.spawn(0, 0, port + 1, &args),
+        hosts.spawn(1, 1, port + 1, &args),
+    ];
+    wait_for_file(&dir.join("pid-0"), Duration::from_secs(120));
+    wait_for_file(&dir.join("pid-1"), Duration::from_secs(120));
+    hosts.cut();
+    for (rank, child) in children.into_iter().enumerate() {
+        let (success, stderr, waited) = finish(child, Duration::from_secs(60));
+        assert!(!success, "rank {rank} must fail");
+        assert!(
+            waited < Duration::from_secs(20),
+            "rank {rank} took {waited:?}"
+        );
+        let peer = format!("rank {}", 1 - rank);
+        assert!(
+            stderr.contains(&peer),
+            "rank {rank} must name {peer}: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
