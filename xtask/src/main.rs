@@ -3,6 +3,9 @@
 //!
 //! - `cargo xtask example fashion-mnist [--features cuda] -- [ARGS]`: builds the example in
 //!   release mode and runs it with ARGS.
+//! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
+//!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
+//!   example's name (`fashion-mnist`), builds it too and runs that binary.
 
 use std::process::{Command, ExitCode};
 
@@ -33,6 +36,11 @@ enum Task {
 const EXAMPLES: &[&str] = &["fashion-mnist"];
 
 fn main() -> ExitCode {
+    // `launch` passes its options through to the launcher untouched, so it bypasses clap.
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    if raw.first().map(String::as_str) == Some("launch") {
+        return launch(&raw[1..]);
+    }
     match Cli::parse().command {
         Task::Example {
             name,
@@ -46,7 +54,7 @@ fn main() -> ExitCode {
                 );
                 return ExitCode::FAILURE;
             }
-            let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+            let mut cargo = cargo();
             cargo.args(["run", "--release", "--package", &name]);
             if let Some(features) = features {
                 cargo.args(["--features", &features]);
@@ -55,6 +63,66 @@ fn main() -> ExitCode {
             run(cargo)
         }
     }
+}
+
+/// The workspace's target directory.
+fn target_dir() -> std::path::PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => dir.into(),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join("target"),
+    }
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn launch(args: &[String]) -> ExitCode {
+    let Some(split) = args.iter().position(|a| a == "--") else {
+        eprintln!(
+            "usage: cargo xtask launch [--features F] [LAUNCHER OPTIONS] -- PROGRAM [ARGS]\n\
+             e.g.  cargo xtask launch --nproc-per-node 2 -- fashion-mnist --epochs 1"
+        );
+        return ExitCode::FAILURE;
+    };
+    let (mut options, rest) = (args[..split].to_vec(), &args[split + 1..]);
+    let mut features = None;
+    if let Some(at) = options.iter().position(|o| o == "--features") {
+        if at + 1 < options.len() {
+            features = Some(options.remove(at + 1));
+        }
+        options.remove(at);
+    }
+    let Some((program, program_args)) = rest.split_first() else {
+        eprintln!("cargo xtask launch: no program after `--`");
+        return ExitCode::FAILURE;
+    };
+    let mut build = cargo();
+    // All binaries of the packages (`--bin` would also filter the example's out).
+    build.args(["build", "--release", "--package", "burn-ddp"]);
+    let example = EXAMPLES.contains(&program.as_str());
+    if example {
+        build.args(["--package", program]);
+        if let Some(features) = &features {
+            build.args(["--features", &format!("{program}/{features}")]);
+        }
+    }
+    let built = run(build);
+    if built != ExitCode::SUCCESS {
+        return built;
+    }
+    let release = target_dir().join("release");
+    let mut launcher = Command::new(release.join("burn-ddp"));
+    launcher.arg("run").args(&options).arg("--");
+    if example {
+        launcher.arg(release.join(program));
+    } else {
+        launcher.arg(program);
+    }
+    launcher.args(program_args);
+    run(launcher)
 }
 
 fn run(mut command: Command) -> ExitCode {

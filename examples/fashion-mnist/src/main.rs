@@ -3,11 +3,12 @@
 //! `cargo xtask example fashion-mnist -- --workers 2 --epochs 2` trains the CNN of
 //! [`model`] on two replicas (two threads on CPU) and prints, per epoch, the train loss, the test
 //! accuracy and the training throughput, then each rank's time in communication.
-//! `--workers 1` trains with plain Burn on one device, the reference.
+//! `--workers 1` trains with plain Burn on one device, the reference. Under the launcher
+//! (`burn-ddp run --nproc-per-node N -- fashion-mnist ...`) each process is one replica.
 
 mod printer;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -15,10 +16,14 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
 use burn::optim::AdamConfig;
+use burn::record::CompactRecorder;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ExecutionStrategy, Learner, SupervisedTraining};
-use burn_ddp::{DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler};
+use burn_ddp::{
+    DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler, TcpGroup, TcpGroupOptions,
+    Topology,
+};
 use clap::{Parser, ValueEnum};
 
 use fashion_mnist::data::{self, FashionBatcher, FashionItem};
@@ -28,7 +33,8 @@ use fashion_mnist::model::Cnn;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// Replicas (one thread each on CPU, one per GPU on CUDA); 1 trains with plain Burn.
+    /// Replicas (one thread each on CPU, one per GPU on CUDA); 1 trains with plain Burn. Under
+    /// `burn-ddp run` (RANK and WORLD_SIZE set) each process is one replica and this is ignored.
     #[arg(long, default_value_t = 2)]
     workers: usize,
     /// Epochs over the training set.
@@ -56,9 +62,15 @@ struct Args {
     /// Train on the first N images only (quick runs); the test set stays whole.
     #[arg(long)]
     train_limit: Option<usize>,
-    /// Directory for burn-train's logs and metrics.
+    /// Directory for burn-train's logs, metrics and checkpoints.
     #[arg(long, default_value = "target/fashion-mnist")]
     artifacts: PathBuf,
+    /// Write a checkpoint after every epoch (always on under `burn-ddp run`, so restarts resume).
+    #[arg(long)]
+    checkpoint: bool,
+    /// Resume after the newest checkpoint in ARTIFACTS/checkpoint (automatic after a restart).
+    #[arg(long)]
+    resume: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -96,37 +108,71 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_with_backend(args: &Args) -> Result<(), String> {
-    if args.workers == 0 {
-        return Err("--workers must be at least 1".into());
+/// Where this process's replicas run: threads of this process (`--workers`), or one replica in
+/// each process of a job started by `burn-ddp run`, torchrun, srun or mpirun.
+enum Job {
+    Threads(usize),
+    Process(Topology),
+}
+
+impl Job {
+    fn world_size(&self) -> usize {
+        match self {
+            Job::Threads(n) => *n,
+            Job::Process(t) => t.world_size,
+        }
     }
-    if !args.batch_size.is_multiple_of(args.workers) {
+
+    fn rank(&self) -> usize {
+        match self {
+            Job::Threads(_) => 0,
+            Job::Process(t) => t.rank,
+        }
+    }
+
+    /// The local replicas' device indices (GPU ordinals on CUDA).
+    fn local_devices(&self) -> Vec<usize> {
+        match self {
+            Job::Threads(n) => (0..*n).collect(),
+            Job::Process(t) => vec![t.local_rank],
+        }
+    }
+}
+
+fn run_with_backend(args: &Args) -> Result<(), String> {
+    let job = match Topology::from_env().map_err(|e| e.to_string())? {
+        Some(topology) => Job::Process(topology),
+        None if args.workers == 0 => return Err("--workers must be at least 1".into()),
+        None => Job::Threads(args.workers),
+    };
+    if !args.batch_size.is_multiple_of(job.world_size()) {
         return Err(format!(
-            "--batch-size {} does not divide between {} workers: the global batch is split evenly",
-            args.batch_size, args.workers
+            "--batch-size {} does not divide between {} replicas: the global batch is split evenly",
+            args.batch_size,
+            job.world_size()
         ));
     }
+    // One CPU device: every replica uses it (one thread each).
     match (args.device, args.backend) {
         (DeviceKind::Cpu, CpuBackend::Flex) => {
-            train::<Autodiff<Flex>>(args, vec![Default::default(); args.workers])
+            train::<Autodiff<Flex>>(args, &job, |_| Default::default())
         }
         (DeviceKind::Cpu, CpuBackend::Ndarray) => {
-            train::<Autodiff<NdArray>>(args, vec![Default::default(); args.workers])
+            train::<Autodiff<NdArray>>(args, &job, |_| Default::default())
         }
-        (DeviceKind::Cuda, _) => cuda(args),
+        (DeviceKind::Cuda, _) => cuda(args, &job),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn cuda(args: &Args) -> Result<(), String> {
+fn cuda(args: &Args, job: &Job) -> Result<(), String> {
     use burn::backend::Cuda;
     use burn::backend::cuda::CudaDevice;
-    let devices = (0..args.workers).map(CudaDevice::new).collect();
-    train::<Autodiff<Cuda>>(args, devices)
+    train::<Autodiff<Cuda>>(args, job, CudaDevice::new)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda(_args: &Args) -> Result<(), String> {
+fn cuda(_args: &Args, _job: &Job) -> Result<(), String> {
     Err(
         "this binary was built without CUDA: rebuild with `--features cuda` \
          (cargo xtask example fashion-mnist --features cuda -- --device cuda)"
@@ -134,27 +180,64 @@ fn cuda(_args: &Args) -> Result<(), String> {
     )
 }
 
-fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(), String> {
+/// The newest epoch with a complete checkpoint (model, optimizer and scheduler files) in `dir`.
+fn latest_checkpoint(dir: &Path) -> Option<usize> {
+    let epochs = |prefix: &str| -> Vec<usize> {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                name.strip_prefix(prefix)?
+                    .strip_suffix(".mpk")?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    };
+    let optim = epochs("optim-");
+    let scheduler = epochs("scheduler-");
+    epochs("model-")
+        .into_iter()
+        .filter(|e| optim.contains(e) && scheduler.contains(e))
+        .max()
+}
+
+fn train<B: AutodiffBackend>(
+    args: &Args,
+    job: &Job,
+    device_of: impl Fn(usize) -> B::Device,
+) -> Result<(), String> {
+    let rank = job.rank();
+    let world_size = job.world_size();
+    let devices: Vec<B::Device> = job.local_devices().into_iter().map(device_of).collect();
     let dataset = data::load(args.data.as_deref()).map_err(|e| e.to_string())?;
     let mut train_items = dataset.train;
     if let Some(limit) = args.train_limit {
         train_items.truncate(limit);
     }
-    println!(
-        "Fashion-MNIST from {}: {} training images, {} test images; {} worker(s), global batch {}, {} backend",
-        dataset.source.display(),
-        train_items.len(),
-        dataset.test.len(),
-        args.workers,
-        args.batch_size,
-        match args.device {
-            DeviceKind::Cuda => "cuda",
-            DeviceKind::Cpu => match args.backend {
-                CpuBackend::Flex => "flex",
-                CpuBackend::Ndarray => "ndarray",
+    if rank == 0 {
+        println!(
+            "Fashion-MNIST from {}: {} training images, {} test images; {} replica(s) as {}, global batch {}, {} backend",
+            dataset.source.display(),
+            train_items.len(),
+            dataset.test.len(),
+            world_size,
+            match job {
+                Job::Threads(_) => "threads",
+                Job::Process(_) => "processes",
             },
-        }
-    );
+            args.batch_size,
+            match args.device {
+                DeviceKind::Cuda => "cuda",
+                DeviceKind::Cpu => match args.backend {
+                    CpuBackend::Flex => "flex",
+                    CpuBackend::Ndarray => "ndarray",
+                },
+            }
+        );
+    }
 
     let device = devices[0].clone();
     B::seed(&device, args.seed);
@@ -162,8 +245,18 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
     // Burn creates parameters lazily; create them now, from the seed, on this thread.
     let _ = burn_ddp::value_fingerprint(&model);
 
+    // Resume after the newest complete checkpoint when asked, or when the launcher restarted us.
+    let checkpoints = args.artifacts.join("checkpoint");
+    let restarted =
+        std::env::var(burn_ddp::topology::RESTART_COUNT_VAR).is_ok_and(|count| count != "0");
+    let resume_from = if args.resume || restarted {
+        latest_checkpoint(&checkpoints)
+    } else {
+        None
+    };
+
     let train_len = train_items.len();
-    let sampler = DistributedSampler::new(train_len, args.workers)
+    let sampler = DistributedSampler::new(train_len, world_size)
         .map_err(|e| e.to_string())?
         .with_seed(args.seed);
     let train_loader: Arc<dyn DataLoader<B, data::FashionBatch<B>>> = Arc::new(
@@ -171,10 +264,12 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
             Arc::new(InMemDataset::new(train_items)),
             FashionBatcher,
             sampler,
-            args.batch_size / args.workers,
+            args.batch_size / world_size,
             device.clone(),
         )
-        .map_err(|e| e.to_string())?,
+        .map_err(|e| e.to_string())?
+        // burn-train's epoch k uses sampler epoch k - 1: resume with the order of the next one.
+        .with_epoch(resume_from.unwrap_or(0) as u64),
     );
     let test_loader = DataLoaderBuilder::new(FashionBatcher)
         .batch_size(256)
@@ -182,24 +277,49 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
         .build(InMemDataset::<FashionItem>::new(dataset.test));
 
     let learner = Learner::new(model, AdamConfig::new().init(), args.lr);
-    let training = SupervisedTraining::new(&args.artifacts, train_loader, test_loader)
+    // Only rank 0 reports; other processes keep their burn-train files apart.
+    let artifacts = if rank == 0 {
+        args.artifacts.clone()
+    } else {
+        args.artifacts.join(format!("rank-{rank}"))
+    };
+    let mut training = SupervisedTraining::new(&artifacts, train_loader, test_loader)
         .metrics((AccuracyMetric::new(), LossMetric::new()))
         .num_epochs(args.epochs)
-        .renderer(printer::EpochPrinter::default())
+        .renderer(printer::EpochPrinter::new(rank == 0))
         .with_application_logger(None);
-
-    if args.workers == 1 {
-        training
-            .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
-            .launch(learner);
-        return Ok(());
+    if args.checkpoint || resume_from.is_some() || job_restartable() {
+        training = training.with_file_checkpointer(CompactRecorder::new());
     }
-    let strategy = DdpStrategy::new(devices);
+    if let Some(epoch) = resume_from {
+        if rank == 0 {
+            println!("resuming after the checkpoint of epoch {epoch}");
+        }
+        training = training.checkpoint(epoch);
+    }
+
+    let strategy = match job {
+        Job::Threads(1) => {
+            training
+                .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
+                .launch(learner);
+            return Ok(());
+        }
+        Job::Threads(_) => DdpStrategy::new(devices),
+        Job::Process(topology) => {
+            let group = TcpGroup::connect(topology, &TcpGroupOptions::default())
+                .map_err(|e| e.to_string())?;
+            DdpStrategy::with_process_group(device, Arc::new(group))
+        }
+    };
     let handle = strategy.clone();
     training
         .launch_ddp(learner, strategy)
         .map_err(|e| format!("training failed: {e}"))?;
     let report = handle.report();
+    if report.ranks.is_empty() || (rank != 0 && matches!(job, Job::Process(_))) {
+        return Ok(());
+    }
     println!("time per rank (forward+backward / gradient sync incl. waiting / optimizer):");
     for rank in &report.ranks {
         println!(
@@ -216,4 +336,9 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
         );
     }
     Ok(())
+}
+
+/// Whether a launcher may restart this job (then checkpoints are written so it can resume).
+fn job_restartable() -> bool {
+    std::env::var(burn_ddp::topology::LAUNCHER_VAR).is_ok()
 }

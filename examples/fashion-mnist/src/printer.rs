@@ -55,9 +55,18 @@ struct Epoch {
 pub struct EpochPrinter {
     names: HashMap<MetricId, String>,
     epoch: Epoch,
+    silent: bool,
 }
 
 impl EpochPrinter {
+    /// A printer; `visible: false` prints nothing (ranks other than 0).
+    pub fn new(visible: bool) -> Self {
+        Self {
+            silent: !visible,
+            ..Self::default()
+        }
+    }
+
     fn name(&self, state: &MetricState) -> Option<(&str, NumericEntry)> {
         match state {
             MetricState::Numeric(entry, value) => self
@@ -83,7 +92,7 @@ impl EpochPrinter {
 
     fn print(&mut self) {
         let e = &self.epoch;
-        if e.number == 0 {
+        if e.number == 0 || self.silent {
             return;
         }
         let loss = e
@@ -129,7 +138,8 @@ impl MetricsRendererTraining for EpochPrinter {
         if let Some(progress) = item.progress {
             self.epoch.samples = self.epoch.samples.max(progress.items_processed);
             let e = &mut self.epoch;
-            if e.next_tenth < 10
+            if !self.silent
+                && e.next_tenth < 10
                 && progress.items_processed * 10 >= e.next_tenth * progress.items_total
             {
                 let loss = e
