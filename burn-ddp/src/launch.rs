@@ -294,19 +294,31 @@ fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
 
     let mut first_failure = None;
     loop {
+        let mut failed_now = Vec::new();
         for worker in workers.iter_mut().filter(|w| w.exit.is_none()) {
             if let Ok(Some(status)) = worker.child.try_wait() {
                 let exit = WorkerExit::of(status);
                 worker.exit = Some(exit);
-                if !exit.success() && first_failure.is_none() {
-                    let pid = worker.child.id();
-                    eprintln!(
-                        "burn-ddp: rank {} (pid {pid}) {exit}; stopping the other ranks",
-                        worker.rank
-                    );
-                    first_failure = Some((worker.rank, pid, exit));
+                if !exit.success() {
+                    failed_now.push((worker.rank, worker.child.id(), exit));
                 }
             }
+        }
+        // Several workers seen dead in one poll: the likely cause is one that crashed (a signal,
+        // a panic's 101) rather than one that exited with 1 after losing its peer.
+        failed_now.sort_by_key(|(rank, _, exit)| {
+            let cause = match exit {
+                WorkerExit::Signal(_) => 0,
+                WorkerExit::Code(1) => 2,
+                WorkerExit::Code(_) => 1,
+            };
+            (cause, *rank)
+        });
+        if first_failure.is_none()
+            && let Some(&(rank, pid, exit)) = failed_now.first()
+        {
+            eprintln!("burn-ddp: rank {rank} (pid {pid}) {exit}; stopping the other ranks");
+            first_failure = Some((rank, pid, exit));
         }
         if first_failure.is_some() {
             stop_all(&mut workers, config.kill_grace);

@@ -18,6 +18,7 @@ use burn::data::dataset::InMemDataset;
 use burn::optim::AdamConfig;
 use burn::record::CompactRecorder;
 use burn::tensor::backend::AutodiffBackend;
+use burn::train::logger::InMemoryMetricLogger;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ExecutionStrategy, Learner, SupervisedTraining};
 use burn_ddp::{
@@ -277,17 +278,16 @@ fn train<B: AutodiffBackend>(
         .build(InMemDataset::<FashionItem>::new(dataset.test));
 
     let learner = Learner::new(model, AdamConfig::new().init(), args.lr);
-    // Only rank 0 reports; other processes keep their burn-train files apart.
-    let artifacts = if rank == 0 {
-        args.artifacts.clone()
-    } else {
-        args.artifacts.join(format!("rank-{rank}"))
-    };
-    let mut training = SupervisedTraining::new(&artifacts, train_loader, test_loader)
+    // Every rank reads checkpoints from the same directory; only rank 0 writes them and logs
+    // metrics there (the others keep their, empty, metric logs in memory).
+    let mut training = SupervisedTraining::new(&args.artifacts, train_loader, test_loader)
         .metrics((AccuracyMetric::new(), LossMetric::new()))
         .num_epochs(args.epochs)
         .renderer(printer::EpochPrinter::new(rank == 0))
         .with_application_logger(None);
+    if rank != 0 {
+        training = training.with_metric_logger(InMemoryMetricLogger::new());
+    }
     if args.checkpoint || resume_from.is_some() || job_restartable() {
         training = training.with_file_checkpointer(CompactRecorder::new());
     }
