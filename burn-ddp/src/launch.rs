@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::store::StoreServer;
+use crate::store::{StoreClient, StoreServer};
 use crate::topology::{AGENT_STORE_VAR, DEFAULT_MASTER_PORT, LAUNCHER_VAR, RESTART_COUNT_VAR};
 use crate::{DdpError, Result};
 
@@ -32,7 +32,7 @@ pub struct LaunchConfig {
     pub node_rank: usize,
     /// Address of node 0, reachable from every node.
     pub master_addr: String,
-    /// Port of the rendezvous store on node 0.
+    /// Port of the rendezvous store on node 0 (0 on a single node: any free port).
     pub master_port: u16,
     /// How many times the whole group may be restarted after a failure.
     pub max_restarts: u32,
@@ -84,9 +84,9 @@ impl LaunchConfig {
                 self.node_rank, self.nnodes
             )));
         }
-        if self.master_port == 0 {
+        if self.master_port == 0 && self.node_rank != 0 {
             return Err(DdpError::InvalidConfig(
-                "--master-port 0 is not usable".into(),
+                "--master-port 0 (any free port) only works on node 0, which picks it".into(),
             ));
         }
         Ok(())
@@ -159,8 +159,13 @@ pub struct AttemptReport {
     pub attempt: u32,
     /// `(global rank, pid, how it ended)` of every local worker.
     pub workers: Vec<(usize, u32, WorkerExit)>,
-    /// The first worker that failed, if any: `(global rank, pid, how)`.
+    /// The first local worker that failed, if any: `(global rank, pid, how)`.
     pub first_failure: Option<(usize, u32, WorkerExit)>,
+    /// The round another node started when this attempt was stopped because that node's
+    /// workers failed.
+    pub other_node: Option<u32>,
+    /// The signal (SIGINT, SIGTERM, SIGHUP) that stopped the launcher, if any.
+    pub interrupted: Option<i32>,
 }
 
 /// Runs the job's local workers to completion, restarting the group up to `max_restarts` times.
@@ -173,8 +178,9 @@ pub struct AttemptReport {
 /// worker cannot be started.
 pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
     config.validate()?;
-    // Node 0 serves the store for the whole job, restarts included.
-    let _store = if config.node_rank == 0 {
+    // Node 0 serves the store for the whole job, restarts included (port 0: any free port, which
+    // then goes to the workers).
+    let server = if config.node_rank == 0 {
         Some(StoreServer::bind(SocketAddr::new(
             IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             config.master_port,
@@ -182,6 +188,13 @@ pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
     } else {
         None
     };
+    let master_port = server
+        .as_ref()
+        .map_or(config.master_port, |s| s.local_addr().port());
+    let store = StoreClient::connect(
+        &format!("{}:{master_port}", config.master_addr),
+        Duration::from_secs(300),
+    )?;
     if let Some(dir) = &config.log_dir {
         std::fs::create_dir_all(dir).map_err(|e| {
             DdpError::Launch(format!(
@@ -190,28 +203,89 @@ pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
             ))
         })?;
     }
+    let _signals = signals::Guard::install();
     let mut reports = Vec::new();
-    let mut attempt = 0;
     loop {
-        let report = run_attempt(config, attempt)?;
-        let failure = report.first_failure;
+        // Every node's launcher runs the round the store says; a node whose workers fail starts
+        // the next round, and the others follow when they see it.
+        let attempt = store.add(ROUND_KEY, 0)? as u32;
+        let report = run_attempt(config, master_port, attempt, &store)?;
+        let failure = match (report.first_failure, report.other_node) {
+            (Some((rank, pid, how)), _) => Some(Failure::Worker(rank, pid, how)),
+            (None, Some(round)) => Some(Failure::OtherNode(round)),
+            (None, None) => None,
+        };
+        let interrupted = report.interrupted;
         reports.push(report);
-        match failure {
-            None => return Ok(reports),
-            Some((rank, pid, how)) if attempt < config.max_restarts => {
-                attempt += 1;
-                eprintln!(
-                    "burn-ddp: rank {rank} (pid {pid}) {how}; restarting the group (restart {attempt} of {})",
-                    config.max_restarts
-                );
+        if let Some(signal) = interrupted {
+            return Err(DdpError::Launch(format!(
+                "interrupted by signal {signal} ({}); the workers were stopped",
+                signal_name(signal)
+            )));
+        }
+        let Some(failure) = failure else {
+            return Ok(reports);
+        };
+        if let Failure::Worker(_, _, _) = failure {
+            // The first launcher to report this round's failure moves the job to the next one.
+            if store.add(&format!("{ROUND_KEY}/{attempt}/failed"), 1)? == 1 {
+                store.add(ROUND_KEY, 1)?;
             }
-            Some((rank, pid, how)) => {
-                return Err(DdpError::WorkerExited {
-                    rank,
-                    pid,
-                    how: how.to_string(),
-                    attempts: attempt + 1,
-                });
+        }
+        if attempt < config.max_restarts {
+            eprintln!(
+                "burn-ddp: {failure}; restarting the group (restart {} of {})",
+                attempt + 1,
+                config.max_restarts
+            );
+            // Wait for the next round to be posted (by this launcher or another node's).
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while store.add(ROUND_KEY, 0)? as u32 <= attempt {
+                if Instant::now() >= deadline {
+                    return Err(DdpError::Launch(format!(
+                        "{failure}, but no launcher started round {} within 60 s",
+                        attempt + 1
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            continue;
+        }
+        return Err(match failure {
+            Failure::Worker(rank, pid, how) => DdpError::WorkerExited {
+                rank,
+                pid,
+                how: how.to_string(),
+                attempts: attempt + 1,
+            },
+            Failure::OtherNode(round) => DdpError::Launch(format!(
+                "the job failed on another node in round {round} and no restart is left"
+            )),
+        });
+    }
+}
+
+/// Store key holding the job's current round (restart count).
+const ROUND_KEY: &str = "burn-ddp/launcher/round";
+
+/// Why an attempt ended early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// A local worker failed: `(global rank, pid, how)`.
+    Worker(usize, u32, WorkerExit),
+    /// Another node's launcher started round `.0`: this node's workers were stopped.
+    OtherNode(u32),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Worker(rank, pid, how) => write!(f, "rank {rank} (pid {pid}) {how}"),
+            Failure::OtherNode(round) => {
+                write!(
+                    f,
+                    "another node's workers failed (it started round {round})"
+                )
             }
         }
     }
@@ -224,13 +298,36 @@ struct Running {
     exit: Option<WorkerExit>,
 }
 
-fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
+fn run_attempt(
+    config: &LaunchConfig,
+    master_port: u16,
+    attempt: u32,
+    store: &StoreClient,
+) -> Result<AttemptReport> {
     let world_size = config.world_size();
+    let ranks: Vec<usize> = (0..config.nproc_per_node)
+        .map(|local| config.node_rank * config.nproc_per_node + local)
+        .collect();
+    // Open every log file before starting anything, so a failure leaves no worker behind.
+    let logs: Vec<Option<Arc<Mutex<std::fs::File>>>> = ranks
+        .iter()
+        .map(|rank| match &config.log_dir {
+            Some(dir) => {
+                let path = dir.join(format!("rank-{rank}.log"));
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map(|file| Some(Arc::new(Mutex::new(file))))
+                    .map_err(|e| DdpError::Launch(format!("cannot open {}: {e}", path.display())))
+            }
+            None => Ok(None),
+        })
+        .collect::<Result<_>>()?;
     let mut workers: Vec<Running> = Vec::new();
     let stdout = Arc::new(Mutex::new(std::io::stdout()));
     let stderr = Arc::new(Mutex::new(std::io::stderr()));
-    for local_rank in 0..config.nproc_per_node {
-        let rank = config.node_rank * config.nproc_per_node + local_rank;
+    for (local_rank, (&rank, log)) in ranks.iter().zip(logs).enumerate() {
         let mut command = Command::new(&config.program);
         command
             .args(&config.args)
@@ -241,7 +338,7 @@ fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
             .env("GROUP_RANK", config.node_rank.to_string())
             .env("NODE_RANK", config.node_rank.to_string())
             .env("MASTER_ADDR", &config.master_addr)
-            .env("MASTER_PORT", config.master_port.to_string())
+            .env("MASTER_PORT", master_port.to_string())
             .env(LAUNCHER_VAR, "1")
             .env(AGENT_STORE_VAR, "1")
             .env(RESTART_COUNT_VAR, attempt.to_string())
@@ -249,10 +346,23 @@ fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        // Each worker leads its own process group, so stopping it also stops what it started
-        // (data-loading processes, a shell's children) and nothing keeps its output open.
         #[cfg(unix)]
-        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        {
+            // Each worker leads its own process group, so stopping it also stops what it
+            // started (data-loading processes, a shell's children) and nothing keeps its output
+            // open; the terminal's Ctrl-C reaches the launcher, which stops the groups.
+            std::os::unix::process::CommandExt::process_group(&mut command, 0);
+            #[cfg(target_os = "linux")]
+            // SAFETY: `prctl` is async-signal-safe and only sets a flag of the new process; the
+            // closure touches no memory of the parent.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+                    // If the launcher dies (even by SIGKILL), the worker gets SIGTERM.
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                    Ok(())
+                });
+            }
+        }
         let mut child = match command.spawn() {
             Ok(child) => child,
             Err(e) => {
@@ -262,20 +372,6 @@ fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
                     config.program.display()
                 )));
             }
-        };
-        let log = match &config.log_dir {
-            Some(dir) => {
-                let path = dir.join(format!("rank-{rank}.log"));
-                let file = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&path)
-                    .map_err(|e| {
-                        DdpError::Launch(format!("cannot open {}: {e}", path.display()))
-                    })?;
-                Some(Arc::new(Mutex::new(file)))
-            }
-            None => None,
         };
         let mut pumps = Vec::new();
         if let Some(out) = child.stdout.take() {
@@ -293,13 +389,24 @@ fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
     }
 
     let mut first_failure = None;
+    let mut interrupted = None;
+    let mut last_round_check = Instant::now();
     loop {
         let mut failed_now = Vec::new();
         for worker in workers.iter_mut().filter(|w| w.exit.is_none()) {
-            if let Ok(Some(status)) = worker.child.try_wait() {
-                let exit = WorkerExit::of(status);
-                worker.exit = Some(exit);
-                if !exit.success() {
+            match worker.child.try_wait() {
+                Ok(Some(status)) => {
+                    let exit = WorkerExit::of(status);
+                    worker.exit = Some(exit);
+                    if !exit.success() {
+                        failed_now.push((worker.rank, worker.child.id(), exit));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    eprintln!("burn-ddp: cannot watch rank {}: {e}", worker.rank);
+                    let exit = WorkerExit::Code(-1);
+                    worker.exit = Some(exit);
                     failed_now.push((worker.rank, worker.child.id(), exit));
                 }
             }
@@ -318,9 +425,26 @@ fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
             && let Some(&(rank, pid, exit)) = failed_now.first()
         {
             eprintln!("burn-ddp: rank {rank} (pid {pid}) {exit}; stopping the other ranks");
-            first_failure = Some((rank, pid, exit));
+            first_failure = Some(Failure::Worker(rank, pid, exit));
         }
-        if first_failure.is_some() {
+        if let Some(signal) = signals::received() {
+            eprintln!(
+                "burn-ddp: received signal {signal} ({}); stopping the workers",
+                signal_name(signal)
+            );
+            interrupted = Some(signal);
+        }
+        // Another node may have failed and started the next round.
+        if first_failure.is_none() && last_round_check.elapsed() >= Duration::from_millis(250) {
+            last_round_check = Instant::now();
+            if let Ok(round) = store.add(ROUND_KEY, 0)
+                && round as u32 > attempt
+            {
+                eprintln!("burn-ddp: another node started round {round}; stopping the workers");
+                first_failure = Some(Failure::OtherNode(round as u32));
+            }
+        }
+        if first_failure.is_some() || interrupted.is_some() {
             stop_all(&mut workers, config.kill_grace);
             break;
         }
@@ -332,7 +456,15 @@ fn run_attempt(config: &LaunchConfig, attempt: u32) -> Result<AttemptReport> {
     let mut report = AttemptReport {
         attempt,
         workers: Vec::new(),
-        first_failure,
+        first_failure: match first_failure {
+            Some(Failure::Worker(rank, pid, exit)) => Some((rank, pid, exit)),
+            _ => None,
+        },
+        interrupted,
+        other_node: match first_failure {
+            Some(Failure::OtherNode(round)) => Some(round),
+            _ => None,
+        },
     };
     for worker in workers {
         let pid = worker.child.id();
@@ -374,6 +506,75 @@ fn stop_all(workers: &mut [Running], grace: Duration) {
         signal_group(&worker.child, Signal::Kill);
         let _ = worker.child.kill();
         worker.exit = worker.child.wait().ok().map(WorkerExit::of);
+    }
+}
+
+/// SIGINT, SIGTERM and SIGHUP to the launcher: noted, so it can stop its workers (each in its
+/// own process group, out of reach of the terminal's Ctrl-C) before exiting.
+#[cfg(unix)]
+mod signals {
+    use std::sync::atomic::{AtomicI32, Ordering};
+
+    static RECEIVED: AtomicI32 = AtomicI32::new(0);
+    const SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+    extern "C" fn note(signal: libc::c_int) {
+        // Only an atomic store: async-signal-safe.
+        RECEIVED.store(signal, Ordering::SeqCst);
+    }
+
+    /// The signal received since the guard was installed, if any.
+    pub fn received() -> Option<i32> {
+        match RECEIVED.load(Ordering::SeqCst) {
+            0 => None,
+            signal => Some(signal),
+        }
+    }
+
+    /// Installs the handlers; dropping it restores the previous ones.
+    pub struct Guard {
+        previous: Vec<(libc::c_int, libc::sighandler_t)>,
+    }
+
+    impl Guard {
+        pub fn install() -> Guard {
+            RECEIVED.store(0, Ordering::SeqCst);
+            let previous = SIGNALS
+                .iter()
+                .map(|&signal| {
+                    let handler = note as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                    // SAFETY: `note` is async-signal-safe (one atomic store).
+                    (signal, unsafe { libc::signal(signal, handler) })
+                })
+                .collect();
+            Guard { previous }
+        }
+    }
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            for &(signal, handler) in &self.previous {
+                // SAFETY: restores the handler that was installed before.
+                unsafe {
+                    libc::signal(signal, handler);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(not(unix))]
+mod signals {
+    pub fn received() -> Option<i32> {
+        None
+    }
+
+    pub struct Guard;
+
+    impl Guard {
+        pub fn install() -> Guard {
+            Guard
+        }
     }
 }
 
@@ -516,6 +717,62 @@ mod tests {
         assert_eq!(how, WorkerExit::Signal(9));
         assert_eq!(how.to_string(), "was killed by signal 9 (SIGKILL)");
         assert!(reports[1].workers.iter().all(|(_, _, exit)| exit.success()));
+    }
+
+    #[test]
+    fn a_failure_on_one_node_restarts_the_workers_of_every_node() {
+        // Two launchers (nodes) of one worker each. Node 1's worker fails in round 0; node 0's
+        // would sleep for a minute: its launcher must see the new round, stop it and restart.
+        let port = free_port();
+        let script = "if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 4; fi; \
+                      if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ]; then sleep 60; fi; exit 0";
+        let node = move |node_rank: usize| {
+            let mut config = sh(script, 1);
+            config.nnodes = 2;
+            config.node_rank = node_rank;
+            config.master_port = port;
+            config.max_restarts = 1;
+            config
+        };
+        let started = Instant::now();
+        let node0 = std::thread::spawn(move || launch(&node(0)));
+        std::thread::sleep(Duration::from_millis(300));
+        let node1 = launch(&node(1)).unwrap();
+        let node0 = node0.join().unwrap().unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(node1.len(), 2);
+        assert_eq!(
+            node1[0].first_failure.map(|f| f.2),
+            Some(WorkerExit::Code(4))
+        );
+        assert_eq!(node0.len(), 2);
+        assert_eq!(
+            node0[0].other_node,
+            Some(1),
+            "node 0 followed node 1 into round 1"
+        );
+        assert!(node0[1].workers.iter().all(|(_, _, exit)| exit.success()));
+    }
+
+    #[test]
+    fn port_zero_picks_a_free_port_for_the_workers() {
+        let dir = tempfile_dir();
+        let mut config = sh("echo \"port=$MASTER_PORT\"", 1);
+        config.master_port = 0;
+        config.log_dir = Some(dir.clone());
+        launch(&config).unwrap();
+        let log = std::fs::read_to_string(dir.join("rank-0.log")).unwrap();
+        let port: u16 = log
+            .trim()
+            .trim_start_matches("[rank 0] port=")
+            .parse()
+            .unwrap();
+        assert_ne!(port, 0);
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

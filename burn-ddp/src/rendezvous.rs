@@ -5,7 +5,7 @@
 //! happened: "expected 4 ranks, 2 arrived (0, 1) after 30 s", a rank claimed twice, ranks that
 //! disagree on the world size, a port already in use.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,14 +29,20 @@ pub struct Rendezvous {
     pub prefix: String,
 }
 
-/// Meets the other processes of `topology`'s job. `listen_addr` is where this process accepts
-/// process-group connections. Rank 0 serves the store at `MASTER_PORT` unless a launcher does.
+/// Meets the other processes of `topology`'s job. `listen(ip)` starts listening for
+/// process-group connections on `ip`, the local address this host uses to reach the store (so
+/// every peer that reaches the store can reach it, in the same address family), and returns the
+/// `ip:port` to publish. Rank 0 serves the store at `MASTER_PORT` unless a launcher does.
 ///
 /// # Errors
 /// [`DdpError::Store`] when the store cannot be served (port in use) or reached;
 /// [`DdpError::Rendezvous`] when not every rank arrives within `timeout` (naming the ones that
 /// did), a rank is claimed by two processes, or ranks disagree on the world size.
-pub fn rendezvous(topology: &Topology, listen_addr: &str, timeout: Duration) -> Result<Rendezvous> {
+pub fn rendezvous(
+    topology: &Topology,
+    timeout: Duration,
+    listen: impl FnOnce(IpAddr) -> Result<String>,
+) -> Result<Rendezvous> {
     let started = Instant::now();
     let rank = topology.rank;
     let world_size = topology.world_size;
@@ -54,9 +60,13 @@ pub fn rendezvous(topology: &Topology, listen_addr: &str, timeout: Duration) -> 
     let claims = store.add(&format!("{prefix}/rank/{rank}/claims"), 1)?;
     if claims > 1 {
         return Err(fail(format!(
-            "rank {rank} is already taken by another process: two processes have RANK={rank}"
+            "rank {rank} was already claimed in this round (restart {}) by another process, or \
+             by an earlier attempt of this one: two processes have RANK={rank}, or a single rank \
+             was restarted by hand (restart the whole job)",
+            topology.restart_count
         )));
     }
+    let listen_addr = listen(store.local_ip())?;
     store.set(
         &format!("{prefix}/rank/{rank}/info"),
         format!("{world_size} {listen_addr}").as_bytes(),
@@ -143,23 +153,6 @@ pub fn rendezvous(topology: &Topology, listen_addr: &str, timeout: Duration) -> 
     })
 }
 
-/// The local IP address this machine uses to reach `host:port` (no packet is sent: a UDP socket
-/// is only connected, which picks the route). Falls back to 127.0.0.1.
-pub fn local_ip_towards(host: &str, port: u16) -> IpAddr {
-    let probe = || -> Option<IpAddr> {
-        let target = (host, port).to_socket_addrs().ok()?.next()?;
-        let bind = match target {
-            SocketAddr::V4(_) => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
-            SocketAddr::V6(_) => SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 0),
-        };
-        let socket = UdpSocket::bind(bind).ok()?;
-        socket.connect(target).ok()?;
-        let ip = socket.local_addr().ok()?.ip();
-        (!ip.is_unspecified()).then_some(ip)
-    };
-    probe().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,6 +165,10 @@ mod tests {
             .local_addr()
             .unwrap()
             .port()
+    }
+
+    fn addr(port: u16) -> impl FnOnce(IpAddr) -> Result<String> {
+        move |ip| Ok(format!("{ip}:{port}"))
     }
 
     fn topology(rank: usize, world_size: usize, port: u16) -> Topology {
@@ -194,11 +191,10 @@ mod tests {
         let handles: Vec<_> = (0..3)
             .map(|rank| {
                 std::thread::spawn(move || {
-                    rendezvous(
-                        &topology(rank, 3, port),
-                        &format!("127.0.0.1:{}", 4000 + rank),
-                        Duration::from_secs(10),
-                    )
+                    rendezvous(&topology(rank, 3, port), Duration::from_secs(10), |ip| {
+                        assert!(ip.is_loopback());
+                        Ok(format!("{ip}:{}", 4000 + rank))
+                    })
                     .map(|r| r.peer_addrs)
                 })
             })
@@ -218,13 +214,9 @@ mod tests {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
                 std::thread::spawn(move || {
-                    rendezvous(
-                        &topology(rank, 3, port),
-                        "127.0.0.1:1",
-                        Duration::from_secs(1),
-                    )
-                    .err()
-                    .map(|e| e.to_string())
+                    rendezvous(&topology(rank, 3, port), Duration::from_secs(1), addr(1))
+                        .err()
+                        .map(|e| e.to_string())
                 })
             })
             .collect();
@@ -242,21 +234,21 @@ mod tests {
     fn a_duplicate_rank_and_a_different_world_size_are_errors() {
         let port = free_port();
         let first = std::thread::spawn(move || {
-            rendezvous(&topology(0, 2, port), "127.0.0.1:1", Duration::from_secs(2)).err()
+            rendezvous(&topology(0, 2, port), Duration::from_secs(2), addr(1)).err()
         });
         std::thread::sleep(Duration::from_millis(300));
         // A second process claiming rank 0 (it connects to the store rank 0 serves).
         let mut duplicate = topology(0, 2, port);
         duplicate.agent_store = true;
-        let err = rendezvous(&duplicate, "127.0.0.1:2", Duration::from_secs(2))
+        let err = rendezvous(&duplicate, Duration::from_secs(2), addr(2))
             .err()
             .unwrap()
             .to_string();
-        assert!(err.contains("two processes have RANK=0"), "{err}");
+        assert!(err.contains("rank 0 was already claimed"), "{err}");
         // A rank 1 that believes the world has 3 ranks.
         let mut wrong = topology(1, 3, port);
         wrong.agent_store = true;
-        let err = rendezvous(&wrong, "127.0.0.1:3", Duration::from_secs(2))
+        let err = rendezvous(&wrong, Duration::from_secs(2), addr(3))
             .err()
             .unwrap()
             .to_string();
@@ -265,10 +257,5 @@ mod tests {
             "{err}"
         );
         let _ = first.join();
-    }
-
-    #[test]
-    fn the_local_ip_towards_loopback_is_loopback() {
-        assert!(local_ip_towards("127.0.0.1", 9).is_loopback());
     }
 }

@@ -263,17 +263,43 @@ enum Encoding {
 }
 
 /// Packs every float tensor (only buffers, tensors without gradients, with `buffers_only`) in
-/// registration order into `f32` words.
+/// registration order into `f32` words. `select`, when set, says for each visited tensor (in
+/// the same order) whether to pack it.
 struct Pack {
     words: Vec<f32>,
     buffers_only: bool,
     encoding: Encoding,
+    select: Option<Vec<bool>>,
+    visited: usize,
+    error: Option<String>,
+}
+
+impl Pack {
+    fn new(buffers_only: bool, encoding: Encoding, select: Option<Vec<bool>>) -> Self {
+        Self {
+            words: Vec::new(),
+            buffers_only,
+            encoding,
+            select,
+            visited: 0,
+            error: None,
+        }
+    }
+
+    /// Whether the next visited tensor is selected (and counts it).
+    fn take(&mut self) -> bool {
+        let index = self.visited;
+        self.visited += 1;
+        self.select
+            .as_ref()
+            .is_none_or(|select| select.get(index).copied().unwrap_or(false))
+    }
 }
 
 impl<B: Backend> ModuleVisitor<B> for Pack {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let tensor = param.val();
-        if self.buffers_only && tensor.is_require_grad() {
+        if (self.buffers_only && tensor.is_require_grad()) || !self.take() {
             return;
         }
         let data = tensor.into_data();
@@ -285,9 +311,12 @@ impl<B: Backend> ModuleVisitor<B> for Pack {
             })),
             Encoding::Values => {
                 let data = data.convert::<f32>();
-                // `convert::<f32>` always yields f32 elements, so the slice view cannot fail.
-                if let Ok(values) = data.as_slice::<f32>() {
-                    self.words.extend_from_slice(values);
+                match data.as_slice::<f32>() {
+                    Ok(values) => self.words.extend_from_slice(values),
+                    Err(e) => {
+                        self.error
+                            .get_or_insert_with(|| format!("tensor {}: {e:?}", param.id));
+                    }
                 }
             }
         }
@@ -302,12 +331,39 @@ struct Unpack<'a> {
     offset: usize,
     buffers_only: bool,
     encoding: Encoding,
+    select: Option<Vec<bool>>,
+    visited: usize,
+}
+
+impl<'a> Unpack<'a> {
+    fn new(
+        words: &'a [f32],
+        buffers_only: bool,
+        encoding: Encoding,
+        select: Option<Vec<bool>>,
+    ) -> Self {
+        Self {
+            words,
+            offset: 0,
+            buffers_only,
+            encoding,
+            select,
+            visited: 0,
+        }
+    }
 }
 
 impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
         if self.buffers_only && tensor.is_require_grad() {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let index = self.visited;
+        self.visited += 1;
+        if let Some(select) = &self.select
+            && !select.get(index).copied().unwrap_or(false)
+        {
             return Param::from_mapped_value(id, tensor, mapper);
         }
         let shape = tensor.shape();
@@ -348,57 +404,62 @@ fn broadcast_tensors<B: Backend, M: Module<B>>(
     timeout: Duration,
     buffers_only: bool,
 ) -> Result<M> {
-    let mut pack = Pack {
-        words: Vec::new(),
-        buffers_only,
-        encoding: Encoding::Bytes,
-    };
+    let mut pack = Pack::new(buffers_only, Encoding::Bytes, None);
     module.visit(&mut pack);
     let mut words = pack.words;
     group.broadcast(&mut words, root, timeout)?;
     if group.rank() == root {
         return Ok(module);
     }
-    let mut unpack = Unpack {
-        words: &words,
-        offset: 0,
-        buffers_only,
-        encoding: Encoding::Bytes,
-    };
+    let mut unpack = Unpack::new(&words, buffers_only, Encoding::Bytes, None);
     Ok(module.map(&mut unpack))
 }
 
-/// Replaces every rank's buffers (float tensors without gradients) by their average over the
-/// ranks (one all-reduce of the buffers as `f32`); every rank must call it. For BatchNorm's
-/// running statistics this is the average of the replicas' statistics, which is what Burn's
-/// `RunningState` computes for replicas that are threads sharing one module. Flush
-/// `RunningState`'s pending updates first (`AutodiffModule::valid` does).
+/// Replaces every rank's buffers (float tensors without gradients) that differ between ranks by
+/// their average over the ranks; every rank must call it. For BatchNorm's running statistics this
+/// is the average of the replicas' statistics, which is what Burn's `RunningState` computes for
+/// replicas that are threads sharing one module. Buffers already identical on every rank (frozen
+/// weights) are left alone: averaging N equal values can change their last bit. Costs one
+/// all-gather of one `u64` per buffer, and one all-reduce of the differing buffers as `f32`.
+/// Flush `RunningState`'s pending updates first (`AutodiffModule::valid` does).
 ///
 /// # Errors
-/// The all-reduce's errors.
+/// The collectives' errors; [`DdpError::Bucket`] when a buffer cannot be read as `f32`.
 pub fn average_buffers<B: Backend, M: Module<B>>(
     module: M,
     group: &dyn ProcessGroup,
     timeout: Duration,
 ) -> Result<M> {
-    let mut pack = Pack {
-        words: Vec::new(),
+    let mut hashes = Fingerprints {
+        hashes: Vec::new(),
         buffers_only: true,
-        encoding: Encoding::Values,
     };
-    module.visit(&mut pack);
-    let mut words = pack.words;
-    if words.is_empty() {
-        // Every rank has the same layout, so every rank skips the collective together.
+    module.visit(&mut hashes);
+    if hashes.hashes.is_empty() {
+        // Every rank has the same layout, so every rank skips the collectives together.
         return Ok(module);
     }
+    let count = hashes.hashes.len();
+    let all = group.all_gather(&hashes.hashes, timeout)?;
+    let differs: Vec<bool> = (0..count)
+        .map(|i| all.chunks(count).any(|rank| rank[i] != all[i]))
+        .collect();
+    if !differs.contains(&true) {
+        return Ok(module);
+    }
+    let mut pack = Pack::new(true, Encoding::Values, Some(differs.clone()));
+    module.visit(&mut pack);
+    if let Some(detail) = pack.error {
+        group.abort(&detail);
+        return Err(DdpError::Bucket {
+            rank: group.rank(),
+            bucket: 0,
+            detail: format!("cannot read a buffer as f32 to average it: {detail}"),
+        });
+    }
+    let mut words = pack.words;
     group.all_reduce(&mut words, crate::group::ReduceOp::Avg, timeout)?;
-    let mut unpack = Unpack {
-        words: &words,
-        offset: 0,
-        buffers_only: true,
-        encoding: Encoding::Values,
-    };
+    let mut unpack = Unpack::new(&words, true, Encoding::Values, Some(differs));
     Ok(module.map(&mut unpack))
 }
 
@@ -440,7 +501,10 @@ pub fn broadcast_buffers<B: Backend, M: Module<B>>(
 /// order) over the bits of its values. Two replicas hold bit-identical values exactly when the
 /// hashes agree (up to hash collisions).
 pub fn tensor_fingerprints<B: Backend, M: Module<B>>(module: &M) -> Vec<u64> {
-    let mut hasher = Fingerprints { hashes: Vec::new() };
+    let mut hasher = Fingerprints {
+        hashes: Vec::new(),
+        buffers_only: false,
+    };
     module.visit(&mut hasher);
     hasher.hashes
 }
@@ -507,11 +571,16 @@ fn fnv(words: impl Iterator<Item = u64>) -> u64 {
 
 struct Fingerprints {
     hashes: Vec<u64>,
+    buffers_only: bool,
 }
 
 impl<B: Backend> ModuleVisitor<B> for Fingerprints {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let data = param.val().into_data();
+        let tensor = param.val();
+        if self.buffers_only && tensor.is_require_grad() {
+            return;
+        }
+        let data = tensor.into_data();
         // Hash the raw bytes: exact for every dtype.
         let bytes = data.as_bytes();
         let words = bytes.chunks(8).map(|c| {

@@ -84,6 +84,7 @@ impl Table {
 pub struct StoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    accept: Option<thread::JoinHandle<()>>,
 }
 
 impl StoreServer {
@@ -115,12 +116,16 @@ impl StoreServer {
         let stop = Arc::new(AtomicBool::new(false));
         let table = Arc::new(Table::default());
         let accept_stop = stop.clone();
-        thread::Builder::new()
+        let accept = thread::Builder::new()
             .name("burn-ddp-store".into())
             .spawn(move || accept_loop(listener, table, accept_stop))
             .map_err(|e| store_error(&addr.to_string(), "bind", e.to_string()))?;
         tracing::debug!("burn-ddp: store serving on {local}");
-        Ok(StoreServer { addr: local, stop })
+        Ok(StoreServer {
+            addr: local,
+            stop,
+            accept: Some(accept),
+        })
     }
 
     /// The address the server listens on.
@@ -132,6 +137,11 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // The listening socket closes with the accept thread (within its 20 ms poll), so the
+        // port can be bound again once the server is dropped.
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.join();
+        }
     }
 }
 
@@ -268,8 +278,10 @@ fn read_keys(r: &mut impl Read) -> io::Result<Vec<String>> {
         .collect()
 }
 
+/// Appends a length-prefixed field. Callers keep fields under [`MAX_FIELD`] (checked in
+/// [`StoreClient::set`]), so the length fits in a `u32`.
 fn put_bytes(out: &mut Vec<u8>, value: &[u8]) {
-    out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(value.len().min(u32::MAX as usize) as u32).to_le_bytes());
     out.extend_from_slice(value);
 }
 
@@ -292,6 +304,10 @@ fn store_error(addr: &str, op: &str, detail: String) -> DdpError {
 pub struct StoreClient {
     addr: String,
     stream: Mutex<TcpStream>,
+    local_ip: std::net::IpAddr,
+    /// Set after an I/O error or a reply that did not come: a late reply would otherwise be read
+    /// as the answer to the next request.
+    broken: AtomicBool,
 }
 
 /// Extra time a client waits for a reply beyond the operation's own timeout (network latency).
@@ -308,17 +324,27 @@ impl StoreClient {
         let deadline = Instant::now().checked_add(timeout);
         let mut last_error = String::from("no address");
         loop {
-            let resolved: Vec<SocketAddr> = addr
-                .to_socket_addrs()
-                .map_err(|e| store_error(addr, "connect", format!("cannot resolve: {e}")))?
-                .collect();
+            // Resolve on every try: a host name may appear in DNS after the job started.
+            let resolved: Vec<SocketAddr> = match addr.to_socket_addrs() {
+                Ok(resolved) => resolved.collect(),
+                Err(e) => {
+                    last_error = format!("cannot resolve {addr}: {e}");
+                    Vec::new()
+                }
+            };
             for candidate in &resolved {
                 match TcpStream::connect_timeout(candidate, Duration::from_secs(2)) {
                     Ok(stream) => {
                         let _ = stream.set_nodelay(true);
+                        let local_ip = stream
+                            .local_addr()
+                            .map_err(|e| store_error(addr, "connect", e.to_string()))?
+                            .ip();
                         return Ok(StoreClient {
                             addr: addr.to_string(),
                             stream: Mutex::new(stream),
+                            local_ip,
+                            broken: AtomicBool::new(false),
                         });
                     }
                     Err(e) => last_error = e.to_string(),
@@ -344,8 +370,21 @@ impl StoreClient {
         &self.addr
     }
 
+    /// The local IP address of this connection: the address this host uses to reach the store.
+    pub fn local_ip(&self) -> std::net::IpAddr {
+        self.local_ip
+    }
+
     fn request(&self, op_name: &str, request: &[u8], timeout: Duration) -> Result<(u8, Vec<u8>)> {
+        if self.broken.load(Ordering::Relaxed) {
+            return Err(store_error(
+                &self.addr,
+                op_name,
+                "this connection failed earlier; reconnect".into(),
+            ));
+        }
         let fail = |e: io::Error| {
+            self.broken.store(true, Ordering::Relaxed);
             let detail = match e.kind() {
                 io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
                     format!(
@@ -394,6 +433,16 @@ impl StoreClient {
     /// # Errors
     /// [`DdpError::Store`] when the store cannot be reached.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        if value.len() > MAX_FIELD || key.len() > MAX_FIELD {
+            return Err(store_error(
+                &self.addr,
+                &format!("set `{key}`"),
+                format!(
+                    "values are limited to {MAX_FIELD} bytes, got {}",
+                    value.len()
+                ),
+            ));
+        }
         let mut request = vec![OP_SET];
         put_bytes(&mut request, key.as_bytes());
         put_bytes(&mut request, value);

@@ -604,6 +604,23 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             self.config.clone(),
         )?;
         self.learner.load_model(model.into_record());
+        // Processes resuming from different checkpoints would train different epochs.
+        let epochs = [*self.epochs.start() as u64, *self.epochs.end() as u64];
+        let all = self.group.all_gather(&epochs, self.config.timeout())?;
+        if let Some((other, theirs)) = all
+            .chunks(2)
+            .enumerate()
+            .find(|(_, theirs)| *theirs != epochs)
+        {
+            return Err(DdpError::ReplicaMismatch {
+                rank: self.rank,
+                detail: format!(
+                    "rank {} trains epochs {}..={} but rank {other} trains {}..={} (resumed from \
+                     different checkpoints?)",
+                    self.rank, epochs[0], epochs[1], theirs[0], theirs[1]
+                ),
+            });
+        }
         let result = self.train_epochs(&mut ddp, report);
         // Counters also on failure: they tell how far the rank got.
         report.comm = ddp.comm_stats().clone();

@@ -8,13 +8,20 @@
 //! | rank | `RANK` | `SLURM_PROCID` | `OMPI_COMM_WORLD_RANK` |
 //! | world size | `WORLD_SIZE` | `SLURM_NTASKS` | `OMPI_COMM_WORLD_SIZE` |
 //! | local rank | `LOCAL_RANK` | `SLURM_LOCALID` | `OMPI_COMM_WORLD_LOCAL_RANK` |
-//! | local world size | `LOCAL_WORLD_SIZE` | `SLURM_NTASKS_PER_NODE` | `OMPI_COMM_WORLD_LOCAL_SIZE` |
-//! | store address | `MASTER_ADDR` | `MASTER_ADDR`, else `SLURM_LAUNCH_NODE_IPADDR` | `MASTER_ADDR` |
+//! | local world size | `LOCAL_WORLD_SIZE` | `SLURM_TASKS_PER_NODE` (first number) | `OMPI_COMM_WORLD_LOCAL_SIZE` |
+//! | store address | `MASTER_ADDR` | `MASTER_ADDR` | `MASTER_ADDR` |
 //! | store port | `MASTER_PORT` | `MASTER_PORT`, else 29500 | `MASTER_PORT`, else 29500 |
+//!
+//! Slurm's variables count only inside a job step (`srun`, which sets `SLURM_STEP_ID`): a batch
+//! script also has `SLURM_PROCID` and `SLURM_NTASKS` but is one process. Under Slurm, set
+//! `MASTER_ADDR` to the first node of the job, e.g.
+//! `export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)`.
 //!
 //! The torchrun names win. When they are set and a scheduler's are too, they must agree, unless a
 //! launcher (`BURN_DDP_LAUNCHER` or torchrun's `TORCHELASTIC_RUN_ID`) set them: then the
-//! scheduler's numbers describe the launchers, not the workers.
+//! scheduler's numbers describe the launchers, not the workers. torchrun itself cannot start
+//! burn-ddp workers: its agent serves PyTorch's store at `MASTER_PORT`, whose protocol burn-ddp
+//! does not speak; use `burn-ddp run`.
 
 use std::fmt;
 
@@ -100,9 +107,21 @@ impl Topology {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<Topology>> {
         let vars = Vars(&lookup);
         let torchrun = vars.has("RANK") || vars.has("WORLD_SIZE");
-        let slurm = vars.has("SLURM_PROCID") && vars.has("SLURM_NTASKS");
+        let slurm =
+            vars.has("SLURM_PROCID") && vars.has("SLURM_NTASKS") && vars.has("SLURM_STEP_ID");
         let mpi = vars.has("OMPI_COMM_WORLD_RANK");
         let launched = vars.has(LAUNCHER_VAR) || vars.has("TORCHELASTIC_RUN_ID");
+        if vars
+            .get("TORCHELASTIC_USE_AGENT_STORE")
+            .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+        {
+            return Err(topology_error(
+                "TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent serves PyTorch's store at \
+                 MASTER_PORT, which burn-ddp cannot use; start the workers with `burn-ddp run` \
+                 (same options as torchrun) instead"
+                    .into(),
+            ));
+        }
 
         let (rank, world_size, local_rank, local_world_size, source) = if torchrun {
             let rank = vars.number("RANK")?;
@@ -130,9 +149,10 @@ impl Topology {
             )
         } else if slurm {
             let world_size = vars.number("SLURM_NTASKS")?;
-            let local_world_size = match vars.get("SLURM_NTASKS_PER_NODE") {
-                // Slurm writes e.g. "4" or "4(x2)"; the first number is this layout's size.
-                Some(v) => parse_leading_number("SLURM_NTASKS_PER_NODE", &v)?,
+            let local_world_size = match vars.get("SLURM_TASKS_PER_NODE") {
+                // Slurm writes e.g. "4" or "4(x2)" or "3,2"; the first number is the first
+                // node's count, an upper bound for LOCAL_RANK checks on uneven layouts.
+                Some(v) => parse_leading_number("SLURM_TASKS_PER_NODE", &v)?,
                 None => world_size,
             };
             (
@@ -163,7 +183,7 @@ impl Topology {
                 "SLURM_PROCID",
                 "SLURM_NTASKS",
                 "SLURM_LOCALID",
-                "SLURM_NTASKS_PER_NODE",
+                "SLURM_TASKS_PER_NODE",
             ),
             TopologySource::OpenMpi => (
                 "OMPI_COMM_WORLD_RANK",
@@ -196,13 +216,11 @@ impl Topology {
         let master_addr = match (vars.get("MASTER_ADDR"), source) {
             (Some(addr), _) if !addr.is_empty() => addr,
             (_, TopologySource::Slurm) => {
-                vars.get("SLURM_LAUNCH_NODE_IPADDR").ok_or_else(|| {
-                    topology_error(
-                    "MASTER_ADDR is not set (nor SLURM_LAUNCH_NODE_IPADDR): set it to the host \
-                     of rank 0"
+                return Err(topology_error(
+                    "MASTER_ADDR is not set: under Slurm set it to the job's first node, e.g. \
+                     export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)"
                         .into(),
-                )
-                })?
+                ));
             }
             _ => {
                 return Err(topology_error(
@@ -342,21 +360,30 @@ mod tests {
 
     #[test]
     fn slurm_and_open_mpi_variables_are_understood() {
-        let t = topology(&[
+        let slurm = [
             ("SLURM_PROCID", "5"),
             ("SLURM_NTASKS", "8"),
+            ("SLURM_STEP_ID", "0"),
             ("SLURM_LOCALID", "1"),
-            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
-            ("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"),
-        ])
-        .unwrap()
-        .unwrap();
+            ("SLURM_TASKS_PER_NODE", "4(x2)"),
+            ("MASTER_ADDR", "node-a"),
+        ];
+        let t = topology(&slurm).unwrap().unwrap();
         assert_eq!(
             (t.rank, t.world_size, t.local_rank, t.local_world_size),
             (5, 8, 1, 4)
         );
-        assert_eq!((t.master_addr.as_str(), t.master_port), ("10.1.2.3", 29500));
+        assert_eq!((t.master_addr.as_str(), t.master_port), ("node-a", 29500));
         assert_eq!(t.source, TopologySource::Slurm);
+        // Without MASTER_ADDR, the error says how to set it.
+        assert!(message(&slurm[..5]).contains("scontrol show hostnames"));
+        // A batch script (no job step) is a single process.
+        let batch: Vec<_> = slurm
+            .iter()
+            .filter(|(k, _)| *k != "SLURM_STEP_ID")
+            .cloned()
+            .collect();
+        assert_eq!(topology(&batch).unwrap(), None);
 
         let t = topology(&[
             ("OMPI_COMM_WORLD_RANK", "2"),
@@ -375,28 +402,41 @@ mod tests {
     fn missing_and_bad_values_name_the_variable() {
         assert!(message(&[("RANK", "0")]).contains("WORLD_SIZE is not set"));
         assert!(message(&[("RANK", "x"), ("WORLD_SIZE", "2")]).contains("RANK=\"x\""));
-        let mut vars = TORCHRUN.to_vec();
-        vars.retain(|(k, _)| *k != "MASTER_ADDR");
-        assert!(message(&vars).contains("MASTER_ADDR is not set"));
-        let mut vars = TORCHRUN.to_vec();
-        vars.retain(|(k, _)| *k != "MASTER_PORT");
-        assert!(message(&vars).contains("MASTER_PORT is not set"));
-        let mut vars = TORCHRUN.to_vec();
-        vars[0] = ("RANK", "8");
-        assert!(message(&vars).contains("RANK=8 is not below WORLD_SIZE=8"));
-        let mut vars = TORCHRUN.to_vec();
-        vars[2] = ("LOCAL_RANK", "2");
-        assert!(message(&vars).contains("LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"));
-        let mut vars = TORCHRUN.to_vec();
-        vars[5] = ("MASTER_PORT", "70000");
-        assert!(message(&vars).contains("MASTER_PORT=\"70000\""));
+        let without = |name: &str| -> Vec<(&'static str, &'static str)> {
+            TORCHRUN
+                .iter()
+                .filter(|(k, _)| *k != name)
+                .cloned()
+                .collect()
+        };
+        assert!(message(&without("MASTER_ADDR")).contains("MASTER_ADDR is not set"));
+        assert!(message(&without("MASTER_PORT")).contains("MASTER_PORT is not set"));
+        let with = |name: &'static str, value: &'static str| {
+            let mut vars = without(name);
+            vars.push((name, value));
+            vars
+        };
+        assert!(message(&with("RANK", "8")).contains("RANK=8 is not below WORLD_SIZE=8"));
         assert!(
-            message(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "0")]).contains("SLURM_NTASKS=0")
+            message(&with("LOCAL_RANK", "2"))
+                .contains("LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2")
+        );
+        assert!(message(&with("MASTER_PORT", "70000")).contains("MASTER_PORT=\"70000\""));
+        assert!(
+            message(&[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "0"),
+                ("SLURM_STEP_ID", "1")
+            ])
+            .contains("SLURM_NTASKS=0")
         );
         assert!(
             message(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")])
                 .contains("MASTER_ADDR")
         );
+        let mut vars = TORCHRUN.to_vec();
+        vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        assert!(message(&vars).contains("burn-ddp run"));
     }
 
     #[test]
@@ -404,6 +444,7 @@ mod tests {
         let mut vars = TORCHRUN.to_vec();
         vars.push(("SLURM_PROCID", "1"));
         vars.push(("SLURM_NTASKS", "8"));
+        vars.push(("SLURM_STEP_ID", "0"));
         assert!(message(&vars).contains("RANK=3 contradicts SLURM_PROCID=1"));
         // Under srun + launcher, Slurm's numbers count launchers: no contradiction.
         vars.push((LAUNCHER_VAR, "1"));

@@ -31,14 +31,31 @@ fn scratch_dir(name: &str) -> PathBuf {
 
 fn worker_config(n: usize, args: &[&str]) -> LaunchConfig {
     let mut config = LaunchConfig::new(n, WORKER, args.iter().map(|a| a.to_string()).collect());
-    config.master_port = free_port();
+    // The launcher picks a free port and hands it to the workers.
+    config.master_port = 0;
     config.kill_grace = Duration::from_secs(3);
     config
 }
 
+/// Removes the variables of a surrounding job (a CI runner inside Slurm or MPI) from `command`,
+/// so the worker sees only the job this test describes.
+fn clean_env(command: &mut Command) -> &mut Command {
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        let job = ["SLURM_", "OMPI_", "BURN_DDP_", "TORCHELASTIC_", "MASTER_"]
+            .iter()
+            .any(|prefix| key.starts_with(prefix))
+            || ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"].contains(&key.as_ref());
+        if job {
+            command.env_remove(key.as_ref());
+        }
+    }
+    command
+}
+
 /// Starts one worker directly (no launcher) with the given rank environment.
 fn spawn_worker(rank: usize, world_size: usize, port: u16, args: &[&str]) -> Child {
-    Command::new(WORKER)
+    clean_env(&mut Command::new(WORKER))
         .args(args)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world_size.to_string())
@@ -50,17 +67,21 @@ fn spawn_worker(rank: usize, world_size: usize, port: u16, args: &[&str]) -> Chi
         .unwrap()
 }
 
-/// Waits (bounded) for a child; returns its success and its stderr.
+/// Waits (bounded) for a child; returns its success and its stderr. A child still running after
+/// `within` is killed before the test fails.
 fn finish(child: Child, within: Duration) -> (bool, String, Duration) {
     let started = Instant::now();
+    let pid = child.id() as i32;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(child.wait_with_output());
     });
-    let output = rx
-        .recv_timeout(within)
-        .unwrap_or_else(|_| panic!("a worker did not exit within {within:?}"))
-        .unwrap();
+    let Ok(output) = rx.recv_timeout(within) else {
+        // SAFETY: sends SIGKILL to the worker this test started and has not reaped.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        panic!("a worker did not exit within {within:?}");
+    };
+    let output = output.unwrap();
     (
         output.status.success(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
@@ -227,7 +248,7 @@ fn a_dead_peer_is_named_by_the_surviving_rank_within_seconds() {
 }
 
 #[test]
-fn two_processes_with_world_size_3_name_the_missing_rank() {
+fn two_processes_with_world_size_3_name_the_missing_rank_within_the_timeout() {
     let port = free_port();
     let args = ["--timeout-s", "5"];
     let started = Instant::now();
@@ -334,7 +355,7 @@ impl Hosts {
     }
 
     fn spawn(&self, host: usize, rank: usize, port: u16, args: &[&str]) -> Child {
-        Command::new("ip")
+        clean_env(&mut Command::new("ip"))
             .args(["netns", "exec", &self.names[host], WORKER])
             .args(args)
             .env("RANK", rank.to_string())

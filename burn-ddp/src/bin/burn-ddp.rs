@@ -84,7 +84,8 @@ fn main() -> ExitCode {
         master_port,
         max_restarts,
         log_dir,
-        kill_grace: Duration::from_secs_f64(kill_grace.max(0.0)),
+        kill_grace: Duration::try_from_secs_f64(kill_grace.clamp(0.0, 3600.0))
+            .unwrap_or(Duration::from_secs(5)),
         ..LaunchConfig::new(nproc_per_node, program, args)
     };
     match launch(&config) {

@@ -10,8 +10,9 @@
 //! code, sequence number, length and argument (reduce operation or root), and the payload size.
 //! A receiver checks the header against its own call, so ranks that call different collectives
 //! get [`DdpError::Mismatch`] instead of misreading each other's bytes. An abort frame carries the
-//! reason of the rank that gave up; every rank that gives up sends one to every peer, so a failure
-//! reaches every rank within one hop.
+//! reason of the rank that gave up; every rank that gives up sends one to every peer and closes its
+//! connections, so a failure spreads from rank to rank (at most `world_size - 1` hops around the
+//! ring, each as fast as the network).
 //!
 //! # All-reduce
 //! Ring reduce-scatter then ring all-gather, in `world_size` chunks: each rank sends and receives
@@ -30,7 +31,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{Collective, ProcessGroup, ReduceOp, chunk_range};
-use crate::rendezvous::{Rendezvous, local_ip_towards, rendezvous};
+use crate::rendezvous::{Rendezvous, rendezvous};
 use crate::topology::Topology;
 use crate::{DdpError, Result};
 
@@ -57,6 +58,12 @@ struct Peer {
     addr: String,
     reader: Mutex<TcpStream>,
     writer: Mutex<TcpStream>,
+    /// A third handle on the connection, for `shutdown` without taking the writer's lock (a
+    /// sender blocked in a write holds it).
+    control: TcpStream,
+    /// Set when a write failed part-way: the stream may end inside a frame, so no abort frame
+    /// may follow on it.
+    broken: std::sync::atomic::AtomicBool,
 }
 
 /// What a rank is doing, for error messages and frame checks.
@@ -66,15 +73,6 @@ struct Call {
     op: Collective,
     deadline: Option<Instant>,
     timeout: Duration,
-}
-
-impl Call {
-    fn remaining(&self) -> Option<Duration> {
-        self.deadline.map(|d| {
-            d.saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1))
-        })
-    }
 }
 
 fn encode(op: Collective) -> (u8, u64, u64) {
@@ -175,16 +173,35 @@ impl TcpGroup {
         let world_size = topology.world_size;
         let started = Instant::now();
         let deadline = started.checked_add(options.connect_timeout);
-        let listener = TcpListener::bind("0.0.0.0:0").map_err(|e| DdpError::Connect {
-            rank,
-            peer: rank,
-            addr: "0.0.0.0:0".into(),
-            detail: format!("cannot listen: {e}"),
+        // Listen on the address this host uses to reach the store: a peer that reaches the store
+        // reaches it too, in the same address family.
+        let mut listening = None;
+        let rendezvous = rendezvous(topology, options.connect_timeout, |ip| {
+            let listener =
+                TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| DdpError::Connect {
+                    rank,
+                    peer: rank,
+                    addr: format!("{ip}:0"),
+                    detail: format!("cannot listen: {e}"),
+                })?;
+            let addr = listener
+                .local_addr()
+                .map_err(|e| DdpError::Connect {
+                    rank,
+                    peer: rank,
+                    addr: format!("{ip}:0"),
+                    detail: e.to_string(),
+                })?
+                .to_string();
+            listening = Some((listener, addr.clone()));
+            Ok(addr)
         })?;
-        let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
-        let ip = local_ip_towards(&topology.master_addr, topology.master_port);
-        let listen_addr = SocketAddr::new(ip, port).to_string();
-        let rendezvous = rendezvous(topology, &listen_addr, options.connect_timeout)?;
+        let Some((listener, listen_addr)) = listening else {
+            return Err(DdpError::Rendezvous {
+                rank,
+                detail: "the rendezvous finished without a listening address".into(),
+            });
+        };
 
         let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
         let hello = |stream: &mut TcpStream| -> io::Result<()> {
@@ -222,6 +239,17 @@ impl TcpGroup {
                 }
             };
             hello(&mut stream).map_err(|e| connect_error(format!("handshake: {e}")))?;
+            // The acceptor answers 1 (accepted) or 0 followed by why it refused.
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+            let mut answer = [0u8; 1];
+            stream
+                .read_exact(&mut answer)
+                .map_err(|e| connect_error(format!("no answer to the handshake: {e}")))?;
+            if answer[0] != 1 {
+                let mut reason = String::new();
+                let _ = stream.read_to_string(&mut reason);
+                return Err(connect_error(format!("refused the connection: {reason}")));
+            }
             peers[peer] = Some(Peer::new(peer, addr.clone(), stream).map_err(connect_error)?);
         }
         // Accept every higher rank.
@@ -233,48 +261,61 @@ impl TcpGroup {
                 addr: listen_addr.clone(),
                 detail: e.to_string(),
             })?;
+        let mut refused: Vec<String> = Vec::new();
         while peers.iter().skip(rank + 1).any(Option::is_none) {
             match listener.accept() {
                 Ok((mut stream, from)) => {
                     let _ = stream.set_nonblocking(false);
                     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
                     let mut h = [0u8; 24];
-                    let detail = match stream.read_exact(&mut h) {
-                        Err(e) => Some(format!("handshake from {from}: {e}")),
+                    let field = |h: &[u8; 24], i: usize| {
+                        u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]) as usize
+                    };
+                    // `Ok(peer)`: a rank this one expects; `Err(why)`: refuse the connection.
+                    let verdict = match stream.read_exact(&mut h) {
+                        Err(e) => Err(format!("no handshake from {from}: {e}")),
                         Ok(()) => {
-                            let field = |i: usize| {
-                                u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]) as usize
-                            };
                             let round = word(&h[16..24]);
-                            let peer = field(12);
-                            if field(0) != MAGIC as usize || field(4) != VERSION as usize {
-                                Some(format!("{from} is not a burn-ddp rank (bad handshake)"))
-                            } else if field(8) != world_size || round != topology.restart_count {
-                                Some(format!(
-                                    "{from} says world size {} round {round}, expected {world_size} round {}",
-                                    field(8),
+                            let peer = field(&h, 12);
+                            if field(&h, 0) != MAGIC as usize || field(&h, 4) != VERSION as usize {
+                                Err(format!("{from} is not a burn-ddp rank (bad handshake)"))
+                            } else if field(&h, 8) != world_size || round != topology.restart_count
+                            {
+                                Err(format!(
+                                    "{from} (rank {peer}) says world size {} round {round}; rank \
+                                     {rank} has world size {world_size} round {}",
+                                    field(&h, 8),
                                     topology.restart_count
                                 ))
                             } else if peer <= rank || peer >= world_size || peers[peer].is_some() {
-                                Some(format!(
-                                    "{from} claims rank {peer}, which cannot connect here"
+                                Err(format!(
+                                    "{from} claims rank {peer}, which cannot connect to rank {rank}"
                                 ))
                             } else {
-                                let addr = from.to_string();
-                                peers[peer] = Some(Peer::new(peer, addr.clone(), stream).map_err(
-                                    |detail| DdpError::Connect {
+                                Ok(peer)
+                            }
+                        }
+                    };
+                    match verdict {
+                        Ok(peer) => {
+                            let addr = from.to_string();
+                            let _ = stream.write_all(&[1]);
+                            peers[peer] =
+                                Some(Peer::new(peer, addr.clone(), stream).map_err(|detail| {
+                                    DdpError::Connect {
                                         rank,
                                         peer,
                                         addr,
                                         detail,
-                                    },
-                                )?);
-                                None
-                            }
+                                    }
+                                })?);
                         }
-                    };
-                    if let Some(detail) = detail {
-                        tracing::warn!("burn-ddp: rank {rank}: ignored a connection: {detail}");
+                        Err(why) => {
+                            let _ = stream.write_all(&[0]);
+                            let _ = stream.write_all(why.as_bytes());
+                            tracing::warn!("burn-ddp: rank {rank}: refused a connection: {why}");
+                            refused.push(why);
+                        }
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -380,6 +421,20 @@ impl TcpGroup {
         std::thread::scope(|s| {
             let sender = s.spawn(|| self.send(call, to, payload));
             let received = self.recv(call, from, out);
+            if received.is_err() {
+                // The sender may be blocked writing to a peer that stopped reading. Give it a
+                // moment to finish (then the abort frame can follow on a clean stream), else
+                // unblock it by closing the connection (the group is about to be aborted).
+                let waited = Instant::now();
+                while !sender.is_finished() && waited.elapsed() < ABORT_WRITE_TIMEOUT {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                if !sender.is_finished() {
+                    let peer = self.peer(to);
+                    peer.broken.store(true, Ordering::Relaxed);
+                    let _ = peer.control.shutdown(Shutdown::Both);
+                }
+            }
             let sent = sender.join().unwrap_or_else(|_| {
                 Err(DdpError::PeerLeft {
                     rank: self.rank,
@@ -396,25 +451,36 @@ impl TcpGroup {
     fn send(&self, call: &Call, to: usize, payload: &[u8]) -> Result<()> {
         let peer = self.peer(to);
         let mut writer = lock(&peer.writer);
-        writer
-            .set_write_timeout(call.remaining())
-            .and_then(|()| writer.write_all(&header(KIND_DATA, call, payload.len())))
-            .and_then(|()| writer.write_all(payload))
-            .map_err(|e| self.io_error(call, peer, e, "sending to"))
+        write_full(
+            &mut writer,
+            &header(KIND_DATA, call, payload.len()),
+            call.deadline,
+        )
+        .and_then(|()| write_full(&mut writer, payload, call.deadline))
+        .map_err(|e| {
+            peer.broken.store(true, Ordering::Relaxed);
+            self.io_error(call, peer, e, "sending to")
+        })
     }
 
     fn recv(&self, call: &Call, from: usize, out: &mut [u8]) -> Result<()> {
         let peer = self.peer(from);
         let mut reader = lock(&peer.reader);
         let mut h = [0u8; HEADER_BYTES];
-        reader
-            .set_read_timeout(call.remaining())
-            .and_then(|()| reader.read_exact(&mut h))
+        read_full(&mut reader, &mut h, call.deadline)
             .map_err(|e| self.io_error(call, peer, e, "waiting for"))?;
         let payload = word(&h[32..40]) as usize;
         if h[0] == KIND_ABORT {
             let mut reason = vec![0u8; payload.min(64 << 10)];
-            let _ = reader.read_exact(&mut reason);
+            let mut read = 0;
+            let _ = reader.set_read_timeout(Some(ABORT_WRITE_TIMEOUT));
+            while read < reason.len() {
+                match reader.read(&mut reason[read..]) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => read += n,
+                }
+            }
+            reason.truncate(read);
             return Err(DdpError::Aborted {
                 rank: self.rank,
                 op: call.op,
@@ -423,8 +489,9 @@ impl TcpGroup {
             });
         }
         let peer_seq = word(&h[8..16]);
-        let peer_op = decode(h[1], word(&h[16..24]), word(&h[24..32]));
-        if h[0] != KIND_DATA || peer_op.is_none() {
+        let Some(peer_op) =
+            decode(h[1], word(&h[16..24]), word(&h[24..32])).filter(|_| h[0] == KIND_DATA)
+        else {
             return Err(DdpError::PeerLeft {
                 rank: self.rank,
                 op: call.op,
@@ -432,8 +499,7 @@ impl TcpGroup {
                 peer: from,
                 reason: "garbled stream (not a burn-ddp frame)".into(),
             });
-        }
-        let peer_op = peer_op.unwrap_or(Collective::Barrier);
+        };
         if peer_op != call.op || peer_seq != call.seq || payload != out.len() {
             return Err(DdpError::Mismatch {
                 rank: self.rank,
@@ -444,12 +510,13 @@ impl TcpGroup {
                 peer_seq,
             });
         }
-        reader
-            .read_exact(out)
+        read_full(&mut reader, out, call.deadline)
             .map_err(|e| self.io_error(call, peer, e, "waiting for"))
     }
 
     fn io_error(&self, call: &Call, peer: &Peer, e: io::Error, doing: &str) -> DdpError {
+        // In the ring a rank only hears from its neighbour: when it times out, the neighbour or a
+        // rank before it is late. The timeout names the neighbour, the one this rank waited on.
         match e.kind() {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => DdpError::Timeout {
                 rank: self.rank,
@@ -486,15 +553,21 @@ impl TcpGroup {
             }
             *aborted = Some(reason.to_string());
         }
+        let deadline = Instant::now().checked_add(ABORT_WRITE_TIMEOUT);
         for peer in self.peers.iter().flatten() {
-            if let Ok(mut writer) = peer.writer.try_lock() {
-                let _ = writer.set_write_timeout(Some(ABORT_WRITE_TIMEOUT));
-                let _ = writer.write_all(&header(KIND_ABORT, &call, reason.len()));
-                let _ = writer.write_all(reason.as_bytes());
-                let _ = writer.flush();
+            // Never write a frame into a stream that may end inside another frame.
+            if !peer.broken.load(Ordering::Relaxed)
+                && let Ok(mut writer) = peer.writer.try_lock()
+            {
+                let _ = write_full(
+                    &mut writer,
+                    &header(KIND_ABORT, &call, reason.len()),
+                    deadline,
+                )
+                .and_then(|()| write_full(&mut writer, reason.as_bytes(), deadline));
             }
             // Peers blocked on this connection see the abort frame, then the end of stream.
-            let _ = lock(&peer.writer).shutdown(Shutdown::Write);
+            let _ = peer.control.shutdown(Shutdown::Write);
         }
     }
 }
@@ -503,12 +576,62 @@ impl Peer {
     fn new(rank: usize, addr: String, stream: TcpStream) -> std::result::Result<Peer, String> {
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
         let reader = stream.try_clone().map_err(|e| e.to_string())?;
+        let control = stream.try_clone().map_err(|e| e.to_string())?;
         Ok(Peer {
             rank,
             addr,
             reader: Mutex::new(reader),
             writer: Mutex::new(stream),
+            control,
+            broken: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+}
+
+/// Reads exactly `buf.len()` bytes, re-arming the socket timeout with the time left before
+/// `deadline` at every read, so a peer trickling bytes cannot stretch the call past it.
+fn read_full(stream: &mut TcpStream, buf: &mut [u8], deadline: Option<Instant>) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        stream.set_read_timeout(remaining(deadline)?)?;
+        match stream.read(&mut buf[done..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf`, re-arming the timeout like [`read_full`].
+fn write_full(stream: &mut TcpStream, buf: &[u8], deadline: Option<Instant>) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        stream.set_write_timeout(remaining(deadline)?)?;
+        match stream.write(&buf[done..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The socket timeout for the time left before `deadline` (`None`: no limit); an error once it
+/// passed.
+fn remaining(deadline: Option<Instant>) -> io::Result<Option<Duration>> {
+    match deadline {
+        None => Ok(None),
+        Some(d) => {
+            let left = d.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                Err(io::ErrorKind::TimedOut.into())
+            } else {
+                Ok(Some(left))
+            }
+        }
     }
 }
 
@@ -568,9 +691,13 @@ impl ProcessGroup for TcpGroup {
                     bytemuck::cast_slice_mut(incoming),
                 )?;
                 for (own, partial) in bucket[recv].iter_mut().zip(incoming.iter()) {
-                    // (earlier ranks' partial sum) + this rank's value: the order c, c+1, ...
-                    // (IEEE addition of two values is commutative, so `+=` gives the same bits).
-                    *own += *partial;
+                    // (earlier ranks' partial sum) + this rank's value: the order c, c+1, ...,
+                    // with the operands in ThreadGroup's order (that matters only for the
+                    // payload of NaNs, but keeps the bits identical).
+                    #[allow(clippy::assign_op_pattern)]
+                    {
+                        *own = *partial + *own;
+                    }
                 }
             }
             // This rank now holds chunk r + 1 complete.
@@ -704,7 +831,7 @@ impl TcpGroup {
 impl Drop for TcpGroup {
     fn drop(&mut self) {
         for peer in self.peers.iter().flatten() {
-            let _ = lock(&peer.writer).shutdown(Shutdown::Both);
+            let _ = peer.control.shutdown(Shutdown::Both);
         }
     }
 }
