@@ -30,13 +30,63 @@ pub const DEFAULT_EPOCH_END_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// assert_eq!(config.bucket_cap_bytes(), 4 * 1024 * 1024);
 /// println!("{config}"); // one line, for start-up logs
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DdpConfig {
     timeout: Duration,
     epoch_end_timeout: Duration,
     bucket_cap_bytes: usize,
     first_bucket_cap_bytes: usize,
     consistency_check_every: u64,
+    non_finite: NonFinite,
+    clip_grad_norm: Option<f32>,
+    buffer_sync: BufferSync,
+    uneven_inputs: UnevenInputs,
+    checkpoint_dir: Option<std::path::PathBuf>,
+}
+
+/// What to do when the gradients of a step hold NaN or infinity (on any rank). The check runs on
+/// the all-reduced gradients, so every rank reaches the same verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NonFinite {
+    /// Skip the optimizer step (and the LR scheduler step) on every rank and count it in
+    /// [`RankReport::skipped_steps`](crate::metrics::RankReport::skipped_steps), as mixed-precision
+    /// loss scalers do. The default.
+    #[default]
+    SkipStep,
+    /// Stop training with [`DdpError::NonFinite`] naming the step and the ranks whose own
+    /// gradients were not finite (found by an all-gather of per-rank flags).
+    Error,
+    /// No check (saves one pass over the gradients per step).
+    Ignore,
+}
+
+/// How buffers (float tensors without gradients, e.g. BatchNorm running statistics) are kept
+/// identical across replicas after every step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BufferSync {
+    /// Replace each differing buffer by its average over the replicas. The default; for replicas
+    /// that are threads, Burn's shared `RunningState` already does this.
+    #[default]
+    Average,
+    /// Copy rank 0's buffers to every replica (PyTorch DDP's `broadcast_buffers=True`). Applies to
+    /// replicas in separate processes; threads share Burn's `RunningState`, which averages.
+    Broadcast,
+    /// Leave buffers alone (replicas in separate processes then drift apart).
+    None,
+}
+
+/// What to do when ranks do not have the same number of batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnevenInputs {
+    /// Stop with [`DdpError::UnevenData`]: use `DistributedSampler` padding or `drop_last` so
+    /// every rank has as many batches. The default.
+    #[default]
+    Error,
+    /// PyTorch's `Join`: ranks that run out of batches keep taking part in the collectives with
+    /// zero gradients, and every step's average is weighted by the number of real samples on each
+    /// rank, so the result equals single-device training on the same samples. The training set is
+    /// split into shards whose sizes differ by at most one, without padding or dropping.
+    Join,
 }
 
 impl Default for DdpConfig {
@@ -47,6 +97,11 @@ impl Default for DdpConfig {
             bucket_cap_bytes: DEFAULT_BUCKET_CAP_BYTES,
             first_bucket_cap_bytes: DEFAULT_FIRST_BUCKET_CAP_BYTES,
             consistency_check_every: 0,
+            non_finite: NonFinite::default(),
+            clip_grad_norm: None,
+            buffer_sync: BufferSync::default(),
+            uneven_inputs: UnevenInputs::default(),
+            checkpoint_dir: None,
         }
     }
 }
@@ -89,6 +144,67 @@ impl DdpConfig {
         self
     }
 
+    /// What to do with NaN or infinite gradients (default [`NonFinite::SkipStep`]).
+    pub fn with_non_finite(mut self, policy: NonFinite) -> Self {
+        self.non_finite = policy;
+        self
+    }
+
+    /// Clips the averaged gradients to this global 2-norm over all parameters before every
+    /// optimizer step, with `torch.nn.utils.clip_grad_norm_`'s formula (multiply by
+    /// `max_norm / (norm + 1e-6)` when that is below 1). Identical on every rank. Burn's own
+    /// per-tensor clipping (the optimizer's `GradientClipping`) stays available beside it.
+    pub fn with_clip_grad_norm(mut self, max_norm: f32) -> Self {
+        self.clip_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// How buffers are kept identical (default [`BufferSync::Average`]).
+    pub fn with_buffer_sync(mut self, sync: BufferSync) -> Self {
+        self.buffer_sync = sync;
+        self
+    }
+
+    /// What to do with ranks that have different numbers of batches (default
+    /// [`UnevenInputs::Error`]).
+    pub fn with_uneven_inputs(mut self, mode: UnevenInputs) -> Self {
+        self.uneven_inputs = mode;
+        self
+    }
+
+    /// Directory where rank 0 writes `ddp-state-<epoch>.json` after every epoch (world size,
+    /// epoch, optimizer steps), atomically, next to burn-train's checkpoints; a resumed run reads
+    /// it back and refuses a different world size. Usually `<artifact dir>/checkpoint`.
+    pub fn with_checkpoint_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.checkpoint_dir = Some(dir.into());
+        self
+    }
+
+    /// The NaN/infinity policy.
+    pub fn non_finite(&self) -> NonFinite {
+        self.non_finite
+    }
+
+    /// The global-norm clipping threshold, if any.
+    pub fn clip_grad_norm(&self) -> Option<f32> {
+        self.clip_grad_norm
+    }
+
+    /// The buffer synchronisation.
+    pub fn buffer_sync(&self) -> BufferSync {
+        self.buffer_sync
+    }
+
+    /// The uneven-inputs mode.
+    pub fn uneven_inputs(&self) -> UnevenInputs {
+        self.uneven_inputs
+    }
+
+    /// The directory of the DDP state files, if any.
+    pub fn checkpoint_dir(&self) -> Option<&std::path::Path> {
+        self.checkpoint_dir.as_deref()
+    }
+
     /// Optimizer steps between replica consistency checks (0: never).
     pub fn consistency_check_every(&self) -> u64 {
         self.consistency_check_every
@@ -125,6 +241,13 @@ impl DdpConfig {
                 self.timeout, self.epoch_end_timeout
             )));
         }
+        if let Some(max_norm) = self.clip_grad_norm
+            && !(max_norm.is_finite() && max_norm > 0.0)
+        {
+            return Err(DdpError::InvalidConfig(format!(
+                "the gradient clipping norm must be positive and finite, got {max_norm}"
+            )));
+        }
         if self.bucket_cap_bytes == 0 || self.first_bucket_cap_bytes == 0 {
             return Err(DdpError::InvalidConfig(format!(
                 "bucket caps must be positive, got bucket_cap_bytes {} and first_bucket_cap_bytes {}",
@@ -146,6 +269,12 @@ impl fmt::Display for DdpConfig {
             mib(self.bucket_cap_bytes),
             mib(self.first_bucket_cap_bytes)
         )?;
+        if let Some(max_norm) = self.clip_grad_norm {
+            write!(f, ", clip grad norm {max_norm}")?;
+        }
+        if self.uneven_inputs == UnevenInputs::Join {
+            f.write_str(", join uneven inputs")?;
+        }
         if self.consistency_check_every > 0 {
             write!(
                 f,

@@ -10,7 +10,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use crate::group::ProcessGroup;
 use crate::metrics::CommStats;
-use crate::reducer::{BucketLayout, Reducer};
+use crate::reducer::{BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
 use crate::replica::{
     ReplicaLayout, average_buffers, broadcast_buffers, broadcast_module, verify_values_across,
 };
@@ -110,6 +110,21 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         self.reducer.reduce::<B::InnerBackend>(grads, &self.device)
     }
 
+    /// [`sync_gradients`](Self::sync_gradients) with options (see [`Reducer::reduce_with`]):
+    /// weighting, global-norm clipping, a NaN/infinity check; `None` contributes zeros (a rank
+    /// without a batch in join mode).
+    ///
+    /// # Errors
+    /// As [`sync_gradients`](Self::sync_gradients).
+    pub fn sync_gradients_with(
+        &mut self,
+        grads: Option<GradientsParams>,
+        options: &ReduceOptions,
+    ) -> Result<ReduceOutcome> {
+        self.reducer
+            .reduce_with::<B::InnerBackend>(grads, &self.device, options)
+    }
+
     /// Copies rank 0's parameters and buffers into every rank's `module` again (one broadcast).
     ///
     /// # Errors
@@ -131,6 +146,9 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// # Errors
     /// The broadcast's errors.
     pub fn sync_buffers<M: AutodiffModule<B>>(&self, module: M) -> Result<M> {
+        // `valid()` folds RunningState's pending updates into its value first; left pending,
+        // they would overwrite the broadcast values at the next read.
+        let _ = module.valid();
         broadcast_buffers(
             module,
             self.reducer.group().as_ref(),

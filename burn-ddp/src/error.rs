@@ -133,6 +133,22 @@ pub enum DdpError {
         remaining: Vec<usize>,
     },
 
+    /// The gradients of a step held NaN or infinity (with [`NonFinite::Error`](crate::NonFinite)).
+    #[error(
+        "non-finite gradients at step {step} of epoch {epoch} (seen by rank {rank}): NaN or infinity first appeared on rank(s) {ranks:?}"
+    )]
+    NonFinite {
+        /// Rank reporting the error.
+        rank: usize,
+        /// Epoch (1-based).
+        epoch: usize,
+        /// Optimizer step within the epoch (0-based).
+        step: u64,
+        /// Ranks whose own gradients were not finite (empty if none was, e.g. an overflow in the
+        /// sum).
+        ranks: Vec<usize>,
+    },
+
     /// A worker thread panicked (in user code, e.g. the model's `step`).
     #[error("rank {rank} panicked: {message}")]
     WorkerPanicked {
@@ -221,6 +237,15 @@ pub enum DdpError {
     #[error("launcher: {0}")]
     Launch(String),
 
+    /// A checkpoint or DDP state file could not be written or read, or does not fit this run.
+    #[error("checkpoint {path}: {detail}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        detail: String,
+    },
+
     /// A configuration value or argument is invalid (names the value and why).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
@@ -237,6 +262,7 @@ impl DdpError {
             | DdpError::ReplicaMismatch { rank, .. }
             | DdpError::ReplicasDiverged { rank, .. }
             | DdpError::UnevenData { rank, .. }
+            | DdpError::NonFinite { rank, .. }
             | DdpError::WorkerPanicked { rank, .. }
             | DdpError::Unresponsive { rank, .. }
             | DdpError::Bucket { rank, .. }
@@ -246,7 +272,8 @@ impl DdpError {
             DdpError::InvalidConfig(_)
             | DdpError::Topology(_)
             | DdpError::Store { .. }
-            | DdpError::Launch(_) => None,
+            | DdpError::Launch(_)
+            | DdpError::Checkpoint { .. } => None,
         }
     }
 

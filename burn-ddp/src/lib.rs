@@ -20,11 +20,13 @@
 
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 mod config;
 mod ddp;
 mod error;
 pub mod group;
 pub mod launch;
+pub mod lr;
 pub mod metrics;
 pub mod reducer;
 pub mod rendezvous;
@@ -35,14 +37,15 @@ mod strategy;
 pub mod topology;
 
 pub use config::{
-    DEFAULT_BUCKET_CAP_BYTES, DEFAULT_EPOCH_END_TIMEOUT, DEFAULT_FIRST_BUCKET_CAP_BYTES, DdpConfig,
+    BufferSync, DEFAULT_BUCKET_CAP_BYTES, DEFAULT_EPOCH_END_TIMEOUT,
+    DEFAULT_FIRST_BUCKET_CAP_BYTES, DdpConfig, NonFinite, UnevenInputs,
 };
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
 pub use group::{
     Collective, DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, TcpGroup, TcpGroupOptions, ThreadGroup,
 };
-pub use reducer::{Bucket, BucketLayout, Reducer};
+pub use reducer::{Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
 pub use replica::{
     ReplicaLayout, TensorKind, TensorSpec, broadcast_buffers, broadcast_module,
     tensor_fingerprints, value_fingerprint, verify_values_across,

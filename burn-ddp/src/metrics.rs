@@ -44,6 +44,9 @@ pub struct RankReport {
     pub coordination: Duration,
     /// Time in optimizer steps.
     pub optimizer: Duration,
+    /// Optimizer steps skipped because the gradients were not finite
+    /// ([`NonFinite::SkipStep`](crate::NonFinite)).
+    pub skipped_steps: u64,
     /// Gradient synchronisation counters.
     pub comm: CommStats,
 }

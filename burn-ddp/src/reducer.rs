@@ -174,14 +174,40 @@ impl Reducer {
     /// an error the gradients are lost and the process group is aborted.
     pub fn reduce<B: Backend>(
         &mut self,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
         device: &B::Device,
     ) -> Result<GradientsParams> {
-        if self.group.world_size() == 1 {
+        self.reduce_with::<B>(Some(grads), device, &ReduceOptions::default())
+            .map(|outcome| outcome.grads)
+    }
+
+    /// [`reduce`](Self::reduce) with options: a weight for this rank's contribution (join mode),
+    /// clipping by the global norm of the reduced gradients, and a check for NaN and infinity.
+    /// `grads: None` contributes zeros (a rank without a batch in join mode); the result then
+    /// holds the other ranks' reduced gradients.
+    ///
+    /// Every rank must call it with the same `options.op`, `clip_norm` and `check_finite`. The
+    /// verdicts of the outcome (non-finite, norm, clipping) are computed from the reduced values,
+    /// so they are the same on every rank. When the reduced gradients are not finite, the
+    /// outcome's gradients are empty: the step must be skipped (or reported).
+    ///
+    /// # Errors
+    /// As [`reduce`](Self::reduce).
+    pub fn reduce_with<B: Backend>(
+        &mut self,
+        grads: Option<GradientsParams>,
+        device: &B::Device,
+        options: &ReduceOptions,
+    ) -> Result<ReduceOutcome> {
+        let plain = options.weight == 1.0 && options.clip_norm.is_none() && !options.check_finite;
+        if self.group.world_size() == 1 && plain && grads.is_some() {
             self.stats.steps += 1;
-            return Ok(grads);
+            return Ok(ReduceOutcome::plain(grads.unwrap_or_default()));
         }
+        let mut grads = grads.unwrap_or_default();
         let rank = self.group.rank();
+        let mut local_non_finite = false;
+        let mut reduced = Vec::with_capacity(self.layout.buckets.len());
         for (bucket_index, bucket) in self.layout.buckets.iter().enumerate() {
             let started = Instant::now();
             let mut parts = Vec::with_capacity(bucket.params.len() + 1);
@@ -202,13 +228,78 @@ impl Reducer {
             }
             let flags = present.len();
             parts.push(Tensor::from_data(TensorData::new(present, [flags]), device));
-            let flat = Tensor::cat(parts, 0);
+            let mut data = self.bucket_data(Tensor::cat(parts, 0), bucket, bucket_index)?;
+            let values = f32_slice(&mut data);
             let flattened = Instant::now();
+            if options.check_finite {
+                local_non_finite |= values[..bucket.numel].iter().any(|v| !v.is_finite());
+            }
+            if options.weight != 1.0 {
+                values[..bucket.numel]
+                    .iter_mut()
+                    .for_each(|v| *v *= options.weight);
+            }
+            self.group.all_reduce(values, options.op, self.timeout)?;
+            self.stats.flatten += flattened - started;
+            self.stats.all_reduce += flattened.elapsed();
+            self.stats.buckets += 1;
+            self.stats.bytes += (bucket.numel + flags) * ELEMENT_BYTES;
+            reduced.push(data);
+        }
+        self.stats.steps += 1;
 
-            let (flat, presence) =
-                self.all_reduce_bucket::<B>(flat, bucket, device, bucket_index)?;
-            let reduced = Instant::now();
-
+        let started = Instant::now();
+        let mut outcome = ReduceOutcome {
+            local_non_finite,
+            ..ReduceOutcome::plain(GradientsParams::new())
+        };
+        let grad_values = |data: &TensorData, bucket: &Bucket| -> Vec<f32> {
+            data.as_slice::<f32>()
+                .map(|v| v[..bucket.numel].to_vec())
+                .unwrap_or_default()
+        };
+        if options.check_finite {
+            outcome.non_finite = self
+                .layout
+                .buckets
+                .iter()
+                .zip(&reduced)
+                .any(|(bucket, data)| grad_values(data, bucket).iter().any(|v| !v.is_finite()));
+            if outcome.non_finite {
+                return Ok(outcome);
+            }
+        }
+        let mut scale = 1.0f32;
+        if let Some(max_norm) = options.clip_norm {
+            // torch.nn.utils.clip_grad_norm_: the 2-norm over all gradients, accumulated in f64
+            // in bucket order (the same order, so the same norm, on every rank).
+            let sum_sq: f64 = self
+                .layout
+                .buckets
+                .iter()
+                .zip(&reduced)
+                .map(|(bucket, data)| {
+                    grad_values(data, bucket)
+                        .iter()
+                        .map(|&v| f64::from(v) * f64::from(v))
+                        .sum::<f64>()
+                })
+                .sum();
+            let norm = sum_sq.sqrt();
+            outcome.grad_norm = Some(norm);
+            let coefficient = f64::from(max_norm) / (norm + 1e-6);
+            if coefficient < 1.0 {
+                scale = coefficient as f32;
+                outcome.clip_scale = Some(scale);
+            }
+        }
+        for (bucket, mut data) in self.layout.buckets.iter().zip(reduced) {
+            let values = f32_slice(&mut data);
+            let presence = values[bucket.numel..].to_vec();
+            if scale != 1.0 {
+                values[..bucket.numel].iter_mut().for_each(|v| *v *= scale);
+            }
+            let flat = Tensor::<B, 1>::from_data(data, device);
             for (j, &p) in bucket.params.iter().enumerate() {
                 if presence[j] <= 0.0 {
                     continue;
@@ -218,26 +309,20 @@ impl Reducer {
                 let grad = flat.clone().slice(offset..offset + spec.numel());
                 register_shaped::<B>(&mut grads, spec, grad);
             }
-            let done = Instant::now();
-            self.stats.flatten += flattened - started;
-            self.stats.all_reduce += reduced - flattened;
-            self.stats.unflatten += done - reduced;
-            self.stats.buckets += 1;
-            self.stats.bytes += (bucket.numel + flags) * ELEMENT_BYTES;
         }
-        self.stats.steps += 1;
-        Ok(grads)
+        self.stats.unflatten += started.elapsed();
+        outcome.grads = grads;
+        Ok(outcome)
     }
 
-    /// All-reduces one flat bucket (gradients followed by presence flags) and returns it with the
-    /// presence flags read back on the host.
-    fn all_reduce_bucket<B: Backend>(
+    /// A flat bucket (gradients followed by presence flags) as host `f32` data of the expected
+    /// length.
+    fn bucket_data<B: Backend>(
         &self,
         flat: Tensor<B, 1>,
         bucket: &Bucket,
-        device: &B::Device,
         bucket_index: usize,
-    ) -> Result<(Tensor<B, 1>, Vec<f32>)> {
+    ) -> Result<TensorData> {
         let rank = self.group.rank();
         let fail = |detail: String| {
             let err = DdpError::Bucket {
@@ -250,19 +335,76 @@ impl Reducer {
             err
         };
         let mut data = flat.into_data().convert::<f32>();
-        let values = data
+        let len = data
             .as_mut_slice::<f32>()
-            .map_err(|e| fail(format!("flat bucket is not a contiguous f32 buffer: {e:?}")))?;
+            .map_err(|e| fail(format!("flat bucket is not a contiguous f32 buffer: {e:?}")))?
+            .len();
         let expected = bucket.numel + bucket.params.len();
-        if values.len() != expected {
+        if len != expected {
             return Err(fail(format!(
-                "flat bucket has {} elements, the layout expects {expected}",
-                values.len()
+                "flat bucket has {len} elements, the layout expects {expected}"
             )));
         }
-        self.group.all_reduce(values, ReduceOp::Avg, self.timeout)?;
-        let presence = values[bucket.numel..].to_vec();
-        Ok((Tensor::from_data(data, device), presence))
+        Ok(data)
+    }
+}
+
+/// The `f32` values of data that [`Reducer::bucket_data`] checked to be `f32`.
+fn f32_slice(data: &mut TensorData) -> &mut [f32] {
+    data.as_mut_slice::<f32>().unwrap_or_default()
+}
+
+/// How [`Reducer::reduce_with`] combines the ranks' gradients.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReduceOptions {
+    /// This rank's gradients are multiplied by `weight` before the all-reduce (default 1). Join
+    /// mode weights each rank by its share of the step's samples and sums.
+    pub weight: f32,
+    /// The reduction ([`ReduceOp::Avg`] by default).
+    pub op: ReduceOp,
+    /// Clip the reduced gradients to this global 2-norm, as `torch.nn.utils.clip_grad_norm_`
+    /// does: multiply by `max_norm / (norm + 1e-6)` when that is below 1.
+    pub clip_norm: Option<f32>,
+    /// Check the gradients for NaN and infinity (before and after the all-reduce).
+    pub check_finite: bool,
+}
+
+impl Default for ReduceOptions {
+    fn default() -> Self {
+        Self {
+            weight: 1.0,
+            op: ReduceOp::Avg,
+            clip_norm: None,
+            check_finite: false,
+        }
+    }
+}
+
+/// What [`Reducer::reduce_with`] produced.
+#[derive(Debug)]
+pub struct ReduceOutcome {
+    /// The reduced (and possibly clipped) gradients; empty when they are not finite.
+    pub grads: GradientsParams,
+    /// Some rank's gradients held NaN or infinity (checked on the reduced values, so every rank
+    /// agrees).
+    pub non_finite: bool,
+    /// This rank's own gradients held NaN or infinity before the all-reduce.
+    pub local_non_finite: bool,
+    /// The global 2-norm of the reduced gradients before clipping, when clipping is on.
+    pub grad_norm: Option<f64>,
+    /// The factor the gradients were multiplied by, when they were clipped.
+    pub clip_scale: Option<f32>,
+}
+
+impl ReduceOutcome {
+    fn plain(grads: GradientsParams) -> Self {
+        Self {
+            grads,
+            non_finite: false,
+            local_non_finite: false,
+            grad_norm: None,
+            clip_scale: None,
+        }
     }
 }
 

@@ -31,6 +31,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
+use crate::group::chunk_range;
 use crate::{DdpError, Result};
 
 /// Index sampler with PyTorch's `DistributedSampler` semantics (see the [module docs](self)).
@@ -40,7 +41,18 @@ pub struct DistributedSampler {
     world_size: usize,
     shuffle: bool,
     seed: u64,
-    drop_last: bool,
+    tail: Tail,
+}
+
+/// What happens to a dataset that does not divide evenly between ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tail {
+    /// Pad by repeating the first samples (PyTorch's default).
+    Wrap,
+    /// Drop the last samples (PyTorch's `drop_last`).
+    Drop,
+    /// Keep shards of unequal sizes, differing by at most one sample (for `UnevenInputs::Join`).
+    Uneven,
 }
 
 impl DistributedSampler {
@@ -65,7 +77,7 @@ impl DistributedSampler {
             world_size,
             shuffle: true,
             seed: 0,
-            drop_last: false,
+            tail: Tail::Wrap,
         })
     }
 
@@ -96,8 +108,17 @@ impl DistributedSampler {
                 self.len, self.world_size
             )));
         }
-        self.drop_last = drop_last;
+        self.tail = if drop_last { Tail::Drop } else { Tail::Wrap };
         Ok(self)
+    }
+
+    /// Neither pads nor drops: the shards cover the dataset exactly once and their sizes differ
+    /// by at most one sample (ranks below `len % world_size` get one more), so ranks can run out
+    /// of batches at different steps. For [`UnevenInputs::Join`](crate::UnevenInputs::Join),
+    /// which handles exactly that.
+    pub fn with_uneven_shards(mut self) -> Self {
+        self.tail = Tail::Uneven;
+        self
     }
 
     /// Number of samples in the dataset.
@@ -110,18 +131,27 @@ impl DistributedSampler {
         self.world_size
     }
 
-    /// Samples per rank and epoch: `ceil(len / N)`, or `floor(len / N)` with `drop_last`.
+    /// Samples per rank and epoch: `ceil(len / N)`, or `floor(len / N)` with `drop_last`; with
+    /// uneven shards, the largest shard's size.
     pub fn num_samples(&self) -> usize {
-        if self.drop_last {
-            self.len / self.world_size
-        } else {
-            self.len.div_ceil(self.world_size)
+        match self.tail {
+            Tail::Drop => self.len / self.world_size,
+            Tail::Wrap | Tail::Uneven => self.len.div_ceil(self.world_size),
         }
     }
 
-    /// Samples per epoch over all ranks: `num_samples * N`.
+    /// Samples per epoch over all ranks: `num_samples * N`, or the dataset's length with uneven
+    /// shards.
     pub fn total_size(&self) -> usize {
-        self.num_samples() * self.world_size
+        match self.tail {
+            Tail::Uneven => self.len,
+            Tail::Wrap | Tail::Drop => self.num_samples() * self.world_size,
+        }
+    }
+
+    /// Samples of `rank`'s shard per epoch.
+    pub fn shard_len(&self, rank: usize) -> usize {
+        chunk_range(self.total_size(), self.world_size, rank).len()
     }
 
     /// The epoch's permutation of dataset indices, padded or cut to [`total_size`](Self::total_size).
@@ -161,12 +191,19 @@ impl DistributedSampler {
     }
 
     /// Dataset indices at `positions` of the epoch's shard-major sequence (rank 0's shard, then
-    /// rank 1's, ...), the order [`DistributedDataLoader`] presents.
+    /// rank 1's, ...), the order [`DistributedDataLoader`] presents. Rank `r`'s shard occupies
+    /// positions `chunk_range(total_size, N, r)`.
     fn shard_major(&self, epoch: u64, positions: Range<usize>) -> Vec<usize> {
         let order = self.epoch_order(epoch);
-        let per_rank = self.num_samples();
+        let total = self.total_size();
+        let starts: Vec<usize> = (0..self.world_size)
+            .map(|r| chunk_range(total, self.world_size, r).start)
+            .collect();
         positions
-            .map(|p| order[(p % per_rank) * self.world_size + p / per_rank])
+            .map(|p| {
+                let rank = starts.partition_point(|&start| start <= p) - 1;
+                order[(p - starts[rank]) * self.world_size + rank]
+            })
             .collect()
     }
 }
@@ -383,6 +420,24 @@ mod tests {
         let all = s.shard_major(4, 0..10);
         assert_eq!(&all[..5], s.indices(4, 0).as_slice());
         assert_eq!(&all[5..], s.indices(4, 1).as_slice());
+    }
+
+    #[test]
+    fn uneven_shards_cover_the_dataset_once_with_sizes_differing_by_one() {
+        let s = DistributedSampler::new(11, 2)
+            .unwrap()
+            .with_seed(1)
+            .with_uneven_shards();
+        assert_eq!((s.shard_len(0), s.shard_len(1)), (6, 5));
+        let order = s.epoch_order(0);
+        assert_eq!(order.len(), 11);
+        assert_eq!(s.indices(0, 0).len(), 6);
+        assert_eq!(s.indices(0, 1).len(), 5);
+        let all = s.shard_major(0, 0..11);
+        assert_eq!(&all[..6], s.indices(0, 0).as_slice());
+        assert_eq!(&all[6..], s.indices(0, 1).as_slice());
+        let union: BTreeSet<usize> = all.into_iter().collect();
+        assert_eq!(union, (0..11).collect());
     }
 
     #[test]

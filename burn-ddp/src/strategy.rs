@@ -26,9 +26,13 @@ use burn::train::{
     ValidLoader,
 };
 
+use crate::checkpoint::DdpState;
 use crate::ddp::DistributedDataParallel;
+use crate::group::ReduceOp;
 use crate::group::{ProcessGroup, ThreadGroup};
 use crate::metrics::{EpochReport, RankReport, TrainingReport};
+use crate::reducer::ReduceOptions;
+use crate::{BufferSync, NonFinite, UnevenInputs};
 use crate::{DdpConfig, DdpError, Result};
 
 type ModelOutput<LC> = <TrainingModel<LC> as TrainStep>::Output;
@@ -333,8 +337,13 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
         let prepared = self.config.validate().and_then(|()| {
             let local = local?;
             let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
-            let shards =
-                split_train_loader::<LC>(&dataloader_train, &ranks, world_size, &self.devices)?;
+            let shards = split_train_loader::<LC>(
+                &dataloader_train,
+                &ranks,
+                world_size,
+                &self.devices,
+                self.config.uneven_inputs() == UnevenInputs::Join,
+            )?;
             Ok((local, shards))
         });
         let (local, shards) = match prepared {
@@ -488,12 +497,14 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
 
 /// The training shards of `ranks` (global ranks run by this process, on `devices`): the loader is
 /// cut into `world_size` equal contiguous slices (a remainder of fewer than `world_size` items is
-/// dropped so every rank has as many batches) and rank `r` takes slice `r`.
+/// dropped so every rank has as many batches) and rank `r` takes slice `r`. With `join`, nothing
+/// is dropped: the slices are `chunk_range(items, world_size, r)`, differing by at most one item.
 fn split_train_loader<LC: LearningComponentsTypes>(
     loader: &TrainLoader<LC>,
     ranks: &[usize],
     world_size: usize,
     devices: &[Device<TrainingBackend<LC>>],
+    join: bool,
 ) -> Result<Vec<TrainLoader<LC>>> {
     let items = loader.num_items();
     let per_rank = items / world_size;
@@ -502,7 +513,7 @@ fn split_train_loader<LC: LearningComponentsTypes>(
             "the training set has {items} items, fewer than the {world_size} replicas"
         )));
     }
-    if !items.is_multiple_of(world_size) {
+    if !join && !items.is_multiple_of(world_size) {
         tracing::warn!(
             "burn-ddp: {items} training items do not divide between {world_size} replicas; the \
              last {} are not used (use DistributedDataLoader to pad instead)",
@@ -515,6 +526,9 @@ fn split_train_loader<LC: LearningComponentsTypes>(
         .map(|(&rank, device)| {
             if world_size == 1 {
                 loader.to_device(device)
+            } else if join {
+                let range = crate::group::chunk_range(items, world_size, rank);
+                loader.slice(range.start, range.end).to_device(device)
             } else {
                 loader
                     .slice(rank * per_rank, (rank + 1) * per_rank)
@@ -547,9 +561,10 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Per-step agreement: does every rank still have a batch, and did anyone ask to stop?
+/// Per-step agreement: each rank's batch size (0 when it has none left), and whether anyone
+/// asked to stop.
 struct Agreement {
-    ranks_with_batch: Vec<usize>,
+    samples: Vec<u64>,
     stop: bool,
 }
 
@@ -621,6 +636,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 ),
             });
         }
+        self.check_resumed_state()?;
         let result = self.train_epochs(&mut ddp, report);
         // Counters also on failure: they tell how far the rank got.
         report.comm = ddp.comm_stats().clone();
@@ -635,84 +651,139 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
         report: &mut RankReport,
     ) -> Result<()> {
         let world_size = self.group.world_size();
+        let join = self.config.uneven_inputs() == UnevenInputs::Join;
+        if join && self.grad_accumulation > 1 {
+            return Err(DdpError::InvalidConfig(
+                "UnevenInputs::Join cannot be combined with grads_accumulation".into(),
+            ));
+        }
+        let policy = self.config.non_finite();
         let mut total_steps = 0u64;
 
         for epoch in self.epochs.clone() {
             let epoch_start = Instant::now();
             let progress_global = Progress::new(epoch, *self.epochs.end());
-            let mut iterator = self.dataloader.iter();
+            let dataloader = self.dataloader.clone();
+            let mut iterator = dataloader.iter();
             let mut accumulator = GradientsAccumulator::<TrainingModel<LC>>::new();
             let mut micro_batches = 0usize;
             let mut steps = 0u64;
             let mut stop = false;
             let mut step = 0usize;
             loop {
+                let before = iterator.progress().items_processed;
                 let item = iterator.next();
+                let samples = match &item {
+                    Some(_) => iterator
+                        .progress()
+                        .items_processed
+                        .saturating_sub(before)
+                        .max(1),
+                    None => 0,
+                };
                 let started = Instant::now();
-                let agreement = self.agree(item.is_some())?;
+                let agreement = self.agree(samples)?;
                 report.coordination += started.elapsed();
                 if agreement.stop {
                     stop = true;
                     break;
                 }
-                if agreement.ranks_with_batch.is_empty() {
+                let with_batch: Vec<usize> = (0..world_size)
+                    .filter(|&r| agreement.samples[r] > 0)
+                    .collect();
+                if with_batch.is_empty() {
                     break;
                 }
-                if agreement.ranks_with_batch.len() != world_size {
+                if with_batch.len() != world_size && !join {
                     let exhausted = (0..world_size)
-                        .filter(|r| !agreement.ranks_with_batch.contains(r))
+                        .filter(|r| !with_batch.contains(r))
                         .collect();
                     return Err(DdpError::UnevenData {
                         rank: self.rank,
                         epoch,
                         step,
                         exhausted,
-                        remaining: agreement.ranks_with_batch,
+                        remaining: with_batch,
                     });
                 }
-                let Some(item) = item else {
-                    // The agreement says every rank has a batch, this one included.
-                    break;
-                };
-                let started = Instant::now();
-                let output = self.learner.train_step(item);
-                report.compute += started.elapsed();
-                report.batches += 1;
-                micro_batches += 1;
-
-                let grads = if self.grad_accumulation > 1 {
-                    accumulator.accumulate(&self.learner.model(), output.grads);
-                    if micro_batches < self.grad_accumulation {
-                        None
-                    } else {
-                        Some(accumulator.grads())
-                    }
-                } else {
-                    Some(output.grads)
-                };
-                if let Some(grads) = grads {
-                    micro_batches = 0;
-                    let grads = ddp.sync_gradients(grads)?;
+                let output = item.map(|item| {
                     let started = Instant::now();
-                    self.learner.lr_step();
-                    self.learner.optimizer_step(grads);
-                    report.optimizer += started.elapsed();
-                    if self.average_buffers {
-                        let model = ddp.average_buffers(self.learner.model())?;
-                        self.learner.load_model(model.into_record());
+                    let output = self.learner.train_step(item);
+                    report.compute += started.elapsed();
+                    report.batches += 1;
+                    output
+                });
+                let (grads, item) = match output {
+                    Some(output) => (Some(output.grads), Some(output.item)),
+                    // Join mode: this rank ran out of batches and contributes zeros.
+                    None => (None, None),
+                };
+                micro_batches += 1;
+                let ready = if self.grad_accumulation > 1 {
+                    if let Some(grads) = grads {
+                        accumulator.accumulate(&self.learner.model(), grads);
                     }
-                    steps += 1;
-                    total_steps += 1;
+                    (micro_batches >= self.grad_accumulation).then(|| Some(accumulator.grads()))
+                } else {
+                    Some(grads)
+                };
+                if let Some(grads) = ready {
+                    micro_batches = 0;
+                    let total: u64 = agreement.samples.iter().sum();
+                    let options = ReduceOptions {
+                        // Join: weight each rank by its share of the step's real samples, then
+                        // sum; the result is the mean over all of the step's samples.
+                        weight: if join {
+                            samples as f32 / total.max(1) as f32
+                        } else {
+                            1.0
+                        },
+                        op: if join { ReduceOp::Sum } else { ReduceOp::Avg },
+                        clip_norm: self.config.clip_grad_norm(),
+                        check_finite: policy != NonFinite::Ignore,
+                    };
+                    let outcome = ddp.sync_gradients_with(grads, &options)?;
+                    if outcome.non_finite {
+                        if policy == NonFinite::Error {
+                            let flags = self.group.all_gather(
+                                &[u64::from(outcome.local_non_finite)],
+                                self.config.timeout(),
+                            )?;
+                            return Err(DdpError::NonFinite {
+                                rank: self.rank,
+                                epoch,
+                                step: steps + report.skipped_steps,
+                                ranks: (0..world_size).filter(|&r| flags[r] != 0).collect(),
+                            });
+                        }
+                        report.skipped_steps += 1;
+                        tracing::warn!(
+                            "burn-ddp: rank {}: skipped step {step} of epoch {epoch}: the gradients \
+                             are not finite",
+                            self.rank
+                        );
+                    } else {
+                        let started = Instant::now();
+                        self.learner.lr_step();
+                        self.learner.optimizer_step(outcome.grads);
+                        report.optimizer += started.elapsed();
+                        steps += 1;
+                        total_steps += 1;
+                    }
+                    self.sync_buffers(ddp)?;
                     let every = self.config.consistency_check_every();
-                    if every > 0 && total_steps.is_multiple_of(every) {
+                    if every > 0 && (steps + report.skipped_steps).is_multiple_of(every) {
                         ddp.check_consistency(&self.learner.model(), total_steps)?;
                     }
                 }
                 step += 1;
 
+                let Some(item) = item else {
+                    continue;
+                };
                 let local = iterator.progress();
                 let item = TrainingItem::new(
-                    output.item,
+                    item,
                     Progress::new(
                         local.items_processed * world_size,
                         local.items_total * world_size,
@@ -758,6 +829,15 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     if let Some(checkpointer) = &mut leader.checkpointer {
                         checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
                     }
+                    if let Some(dir) = self.config.checkpoint_dir() {
+                        DdpState {
+                            epoch,
+                            world_size,
+                            optimizer_steps: total_steps,
+                            next_sampler_epoch: epoch as u64,
+                        }
+                        .write(dir)?;
+                    }
                     if let Some(early_stopping) = &mut leader.early_stopping
                         && early_stopping.should_stop(epoch, &leader.event_store)
                     {
@@ -766,7 +846,8 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     }
                 }
             }
-            // Everyone waits here while rank 0 validates and writes checkpoints.
+            // Everyone waits here while rank 0 validates and writes checkpoints: the barrier
+            // after the checkpoint.
             let votes = self.group.all_gather(
                 &[u64::from(stop_requested || self.interrupter.should_stop())],
                 self.config.epoch_end_timeout(),
@@ -778,21 +859,61 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
         Ok(())
     }
 
-    /// One small all-gather per step: whether each rank has a batch and whether it was
-    /// interrupted. Every rank gets the same answer, so all stop at the same step.
-    fn agree(&self, has_batch: bool) -> Result<Agreement> {
-        let flags = [
-            u64::from(has_batch),
-            u64::from(self.interrupter.should_stop()),
-        ];
+    /// Keeps buffers identical across replicas in separate processes (threads share Burn's
+    /// `RunningState`, which averages).
+    fn sync_buffers(&mut self, ddp: &DistributedDataParallel<TrainingBackend<LC>>) -> Result<()> {
+        if !self.average_buffers {
+            return Ok(());
+        }
+        let model = match self.config.buffer_sync() {
+            BufferSync::Average => ddp.average_buffers(self.learner.model())?,
+            BufferSync::Broadcast => ddp.sync_buffers(self.learner.model())?,
+            BufferSync::None => return Ok(()),
+        };
+        self.learner.load_model(model.into_record());
+        Ok(())
+    }
+
+    /// Before the first step of a resumed run: the DDP state of the epoch it resumes after must
+    /// come from a job of the same world size.
+    fn check_resumed_state(&self) -> Result<()> {
+        let (Some(dir), first) = (self.config.checkpoint_dir(), *self.epochs.start()) else {
+            return Ok(());
+        };
+        if first <= 1 {
+            return Ok(());
+        }
+        match DdpState::read(dir, first - 1)? {
+            Some(state) if state.world_size != self.group.world_size() => {
+                Err(DdpError::Checkpoint {
+                    path: DdpState::path(dir, first - 1).display().to_string(),
+                    detail: format!(
+                        "written by a job of world size {}, this job has {}: resume with the same \
+                     world size (the per-rank batch and the data shards depend on it)",
+                        state.world_size,
+                        self.group.world_size()
+                    ),
+                })
+            }
+            Some(_) => Ok(()),
+            None => {
+                tracing::warn!(
+                    "burn-ddp: resuming after epoch {} without {}",
+                    first - 1,
+                    DdpState::path(dir, first - 1).display()
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// One small all-gather per step: how many samples each rank's batch has (0: none left) and
+    /// whether it was interrupted. Every rank gets the same answer, so all stop at the same step.
+    fn agree(&self, samples: usize) -> Result<Agreement> {
+        let flags = [samples as u64, u64::from(self.interrupter.should_stop())];
         let all = self.group.all_gather(&flags, self.config.timeout())?;
         Ok(Agreement {
-            ranks_with_batch: all
-                .chunks(2)
-                .enumerate()
-                .filter(|(_, f)| f[0] != 0)
-                .map(|(r, _)| r)
-                .collect(),
+            samples: all.chunks(2).map(|f| f[0]).collect(),
             stop: all.chunks(2).any(|f| f[1] != 0),
         })
     }

@@ -7,3 +7,4 @@ mod failures;
 mod processes;
 mod replicas;
 mod sampling;
+mod semantics;

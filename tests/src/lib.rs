@@ -15,7 +15,9 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d
 use burn::optim::Optimizer;
 use burn::optim::lr_scheduler::LrScheduler;
 use burn::prelude::*;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::AutodiffBackend;
+use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::logger::InMemoryMetricLogger;
 use burn::train::metric::MetricDefinition;
 use burn::train::renderer::{
@@ -26,10 +28,11 @@ use burn::train::{
     ClassificationOutput, ExecutionStrategy, InferenceStep, Interrupter, Learner,
     SupervisedTraining, TrainOutput, TrainStep,
 };
+use burn_ddp::checkpoint::AtomicRecorder;
 use burn_ddp::metrics::TrainingReport;
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler,
-    ProcessGroup,
+    ProcessGroup, UnevenInputs,
 };
 
 /// The test backend: CPU, one thread per replica.
@@ -340,6 +343,12 @@ pub struct Run {
     pub interrupt_after: Option<usize>,
     /// A process group: this process is one rank of a multi-process job (`replicas` is ignored).
     pub group: Option<Arc<dyn ProcessGroup>>,
+    /// burn-train's artifact directory: checkpoints go to `<dir>/checkpoint` (atomic, full
+    /// precision) and the DDP state next to them.
+    pub artifacts: Option<std::path::PathBuf>,
+    /// Resume after the checkpoint of this epoch (burn-train's `checkpoint`, and the loader's
+    /// `with_epoch`).
+    pub resume_after: Option<usize>,
 }
 
 impl Run {
@@ -355,6 +364,8 @@ impl Run {
             config: DdpConfig::default(),
             interrupt_after: None,
             group: None,
+            artifacts: None,
+            resume_after: None,
         }
     }
 }
@@ -422,15 +433,20 @@ where
         None => run.replicas.unwrap_or(1).max(1),
     };
     let samples = train.len();
-    let sampler = DistributedSampler::new(samples, world_size)?.with_seed(run.seed);
-    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> =
-        Arc::new(DistributedDataLoader::new(
+    let mut sampler = DistributedSampler::new(samples, world_size)?.with_seed(run.seed);
+    if run.config.uneven_inputs() == UnevenInputs::Join {
+        sampler = sampler.with_uneven_shards();
+    }
+    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> = Arc::new(
+        DistributedDataLoader::new(
             Arc::new(InMemDataset::new(train)),
             batcher.clone(),
             sampler,
             run.global_batch / world_size,
             device,
-        )?);
+        )?
+        .with_epoch(run.resume_after.unwrap_or(0) as u64),
+    );
     let valid_sampler = DistributedSampler::new(valid.len(), 1)?.without_shuffle();
     let valid_loader: Arc<dyn DataLoader<NdArray, <M::InnerModule as InferenceStep>::Input>> =
         Arc::new(DistributedDataLoader::new(
@@ -442,18 +458,32 @@ where
         )?);
 
     let learner = Learner::new(model, optimizer, scheduler);
-    let directory = std::env::temp_dir().join(format!(
-        "burn-ddp-tests-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let mut training = SupervisedTraining::new(directory, train_loader, valid_loader)
+    let directory = run.artifacts.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!(
+            "burn-ddp-tests-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ))
+    });
+    let mut config = run.config.clone();
+    let mut training = SupervisedTraining::new(&directory, train_loader, valid_loader)
         .num_epochs(run.epochs)
         .renderer(SilentRenderer)
         .with_metric_logger(InMemoryMetricLogger::new())
         .with_application_logger(None);
     if let Some(k) = run.grad_accumulation {
         training = training.grads_accumulation(k);
+    }
+    if run.artifacts.is_some() {
+        training = training
+            .with_file_checkpointer(AtomicRecorder::new(NamedMpkFileRecorder::<
+                FullPrecisionSettings,
+            >::new()))
+            .with_checkpointing_strategy(KeepLastNCheckpoints::new(2));
+        config = config.with_checkpoint_dir(directory.join("checkpoint"));
+    }
+    if let Some(epoch) = run.resume_after {
+        training = training.checkpoint(epoch);
     }
     if let Some(n) = run.interrupt_after
         && let Ok(mut slot) = INTERRUPT.lock()
@@ -470,7 +500,7 @@ where
             return Ok((float_tensors(&result.model), None));
         }
     };
-    let strategy = strategy.with_config(run.config.clone());
+    let strategy = strategy.with_config(config);
     let handle = strategy.clone();
     let result = training.launch_ddp(learner, strategy)?;
     Ok((float_tensors(&result.model), Some(handle.report())))

@@ -1,0 +1,273 @@
+//! Training semantics and safety: NaN/infinity, global-norm clipping, buffers across processes,
+//! checkpoint/resume, uneven data (join), each against an independent reference.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::optim::{AdamConfig, SgdConfig};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn_ddp::topology::{Topology, TopologySource};
+use burn_ddp::{
+    BufferSync, DdpConfig, DdpError, NonFinite, ProcessGroup, TcpGroup, TcpGroupOptions,
+    UnevenInputs,
+};
+use burn_ddp_tests::{
+    Batch, BnCnn, Mlp, Run, device, float_tensors, materialized, max_relative_difference,
+    run_training,
+};
+
+/// An MLP whose rank-1 replica produces NaN logits at its 3rd batch.
+#[derive(Module, Debug)]
+pub struct NanOnRank1<B: Backend> {
+    inner: Mlp<B>,
+}
+
+thread_local! {
+    static BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl<B: AutodiffBackend> TrainStep for NanOnRank1<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let n = BATCHES.with(|b| {
+            b.set(b.get() + 1);
+            b.get()
+        });
+        let mut batch = batch;
+        if n == 3 && std::thread::current().name() == Some("burn-ddp-rank-1") {
+            batch.inputs = batch.inputs.mul_scalar(f32::NAN);
+        }
+        TrainStep::step(&self.inner, batch)
+    }
+}
+
+impl<B: Backend> InferenceStep for NanOnRank1<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
+fn nan_run(policy: NonFinite) -> Result<burn_ddp_tests::Trained, DdpError> {
+    let model = materialized(NanOnRank1 {
+        inner: Mlp::new(&device()),
+    });
+    let mut run = Run::new(Some(2), 16, 8 * 16);
+    run.config = DdpConfig::default()
+        .with_non_finite(policy)
+        .with_consistency_check_every(1);
+    run_training(model, SgdConfig::new().init(), 0.1, &run)
+}
+
+#[test]
+fn a_nan_on_one_rank_skips_the_step_on_every_rank() {
+    let (params, report) = nan_run(NonFinite::SkipStep).unwrap();
+    assert!(
+        params.iter().flatten().all(|v| v.is_finite()),
+        "a NaN reached the parameters"
+    );
+    let report = report.unwrap();
+    assert_eq!(report.epochs[0].steps, 7, "8 batches, one step skipped");
+    for rank in &report.ranks {
+        assert_eq!(rank.skipped_steps, 1, "rank {}", rank.rank);
+    }
+}
+
+#[test]
+fn without_the_guard_the_nan_reaches_the_parameters() {
+    let (params, _) = nan_run(NonFinite::Ignore).unwrap();
+    assert!(params.iter().flatten().any(|v| v.is_nan()));
+}
+
+#[test]
+fn the_error_policy_names_the_step_and_the_rank() {
+    match nan_run(NonFinite::Error).unwrap_err() {
+        DdpError::NonFinite { step, ranks, .. } => {
+            assert_eq!(step, 2, "the third optimizer step (0-based)");
+            assert_eq!(ranks, vec![1]);
+        }
+        other => panic!("expected NonFinite, got {other}"),
+    }
+}
+
+#[test]
+fn global_norm_clipping_matches_the_single_replica_run_and_changes_the_result() {
+    let model = materialized(Mlp::new(&device()));
+    let clip = DdpConfig::default().with_clip_grad_norm(0.05);
+    let mut run = Run::new(Some(2), 32, 10 * 32);
+    run.config = clip.clone();
+    let (two, _) = run_training(model.clone(), SgdConfig::new().init(), 0.5, &run).unwrap();
+    // The reference: one replica with the whole batch, clipped the same way.
+    run.replicas = Some(1);
+    let (one, _) = run_training(model.clone(), SgdConfig::new().init(), 0.5, &run).unwrap();
+    let diff = max_relative_difference(&two, &one);
+    assert!(diff <= 1e-5, "clipped runs differ by {diff}");
+    // And the clipping is active: without it the result is different.
+    run.replicas = Some(2);
+    run.config = DdpConfig::default();
+    let (unclipped, _) = run_training(model, SgdConfig::new().init(), 0.5, &run).unwrap();
+    assert!(max_relative_difference(&unclipped, &two) > 1e-3);
+}
+
+/// Trains the BatchNorm CNN as two "processes": threads of this test, each with its own model
+/// (so they do not share Burn's RunningState) and a TcpGroup over loopback.
+fn two_process_run(buffers: BufferSync) -> Vec<Result<burn_ddp_tests::Trained, DdpError>> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || {
+                    let topology = Topology {
+                        rank,
+                        world_size: 2,
+                        local_rank: rank,
+                        local_world_size: 2,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        agent_store: false,
+                        restart_count: 0,
+                        source: TopologySource::Torchrun,
+                    };
+                    let options = TcpGroupOptions {
+                        connect_timeout: Duration::from_secs(30),
+                    };
+                    let group: Arc<dyn ProcessGroup> =
+                        Arc::new(TcpGroup::connect(&topology, &options)?);
+                    let mut run = Run::new(None, 16, 10 * 16);
+                    run.group = Some(group);
+                    run.config = DdpConfig::default()
+                        .with_buffer_sync(buffers)
+                        .with_consistency_check_every(1);
+                    run_training(
+                        materialized(BnCnn::new(&device())),
+                        SgdConfig::new().init(),
+                        0.05,
+                        &run,
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn buffers_stay_identical_across_processes_by_averaging_or_broadcast() {
+    for mode in [BufferSync::Average, BufferSync::Broadcast] {
+        let results = two_process_run(mode);
+        let (rank0, _) = results[0].as_ref().unwrap();
+        let (rank1, _) = results[1].as_ref().unwrap();
+        assert_eq!(rank0, rank1, "{mode:?}: the replicas differ");
+    }
+}
+
+#[test]
+fn without_buffer_sync_separate_processes_drift_apart() {
+    let results = two_process_run(BufferSync::None);
+    for result in results {
+        match result {
+            Err(DdpError::ReplicasDiverged { tensor, .. }) => {
+                assert!(tensor.contains("norm.running"), "{tensor}")
+            }
+            other => panic!("expected the consistency check to fail, got {other:?}"),
+        }
+    }
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn resuming_from_a_checkpoint_gives_the_parameters_of_the_uninterrupted_run() {
+    let model = materialized(Mlp::new(&device()));
+    let mut run = Run::new(Some(2), 16, 6 * 16);
+    run.epochs = 2;
+    run.artifacts = Some(scratch("uninterrupted"));
+    let (straight, _) = run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run).unwrap();
+
+    // The same job, stopped after epoch 1 ...
+    let dir = scratch("interrupted");
+    run.artifacts = Some(dir.clone());
+    run.epochs = 1;
+    run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run).unwrap();
+    // ... and resumed from its checkpoint (a fresh model: every value comes from the file).
+    run.epochs = 2;
+    run.resume_after = Some(1);
+    let (resumed, _) = run_training(
+        materialized(Mlp::new(&device())),
+        AdamConfig::new().init(),
+        1e-2,
+        &run,
+    )
+    .unwrap();
+    assert_eq!(resumed, straight, "the resumed run must match bit for bit");
+    assert!(dir.join("checkpoint/ddp-state-1.json").is_file());
+
+    // Resuming with another world size is refused.
+    run.replicas = Some(4);
+    run.global_batch = 16;
+    match run_training(model, AdamConfig::new().init(), 1e-2, &run).unwrap_err() {
+        DdpError::Checkpoint { detail, .. } => {
+            assert!(detail.contains("world size 2, this job has 4"), "{detail}")
+        }
+        other => panic!("expected a checkpoint error, got {other}"),
+    }
+}
+
+#[test]
+fn join_mode_with_11_samples_2_ranks_batch_5_equals_single_device_training() {
+    let model = materialized(Mlp::new(&device()));
+    // Reference: one device, batches of 10 (the two ranks' 5 + 5), then 1.
+    let (single, _) = run_training(
+        model.clone(),
+        SgdConfig::new().init(),
+        0.2,
+        &Run::new(None, 10, 11),
+    )
+    .unwrap();
+    // Join: rank 0 has 6 samples (5 + 1), rank 1 has 5; at the second step rank 1 has none and
+    // contributes zeros while rank 0's single sample carries the step.
+    let mut run = Run::new(Some(2), 10, 11);
+    run.config = DdpConfig::default().with_uneven_inputs(UnevenInputs::Join);
+    let (joined, report) = run_training(model.clone(), SgdConfig::new().init(), 0.2, &run).unwrap();
+    let diff = max_relative_difference(&joined, &single);
+    assert!(
+        diff <= 1e-5,
+        "join differs from single-device training by {diff}"
+    );
+    let report = report.unwrap();
+    assert_eq!(report.epochs[0].steps, 2);
+    assert_eq!(report.ranks[0].batches, 2);
+    assert_eq!(report.ranks[1].batches, 1);
+    let initial = float_tensors(&model);
+    assert!(
+        max_relative_difference(&single, &initial) > 1e-3,
+        "training must move"
+    );
+
+    // The other mode, padding (the default): 12 samples, 6 per rank, 2 batches on both ranks.
+    // (Uneven shards without join are an error: `failures::uneven_batches_are_...`.)
+    let (_, report) = run_training(
+        model,
+        SgdConfig::new().init(),
+        0.2,
+        &Run::new(Some(2), 10, 11),
+    )
+    .unwrap();
+    let report = report.unwrap();
+    assert_eq!((report.ranks[0].batches, report.ranks[1].batches), (2, 2));
+}
