@@ -34,6 +34,7 @@ pub mod replica;
 pub mod sampler;
 pub mod store;
 mod strategy;
+pub mod sync_bn;
 pub mod topology;
 
 pub use config::{
@@ -52,6 +53,7 @@ pub use replica::{
 };
 pub use sampler::{DistributedDataLoader, DistributedSampler};
 pub use strategy::{DdpStrategy, DdpTraining};
+pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};
 pub use topology::Topology;
 
 /// The README's code blocks, compiled as doc-tests so they stay true.

@@ -610,6 +610,9 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
         report: &mut RankReport,
         model_out: &mut Option<TrainingModel<LC>>,
     ) -> Result<()> {
+        // SyncBatchNorm layers synchronise with this rank's group.
+        let _current =
+            crate::sync_bn::enter_process_group(self.group.clone(), self.config.timeout());
         self.learner.fork(&self.device);
         // Check the replicas and start from rank 0's parameters and buffers.
         let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::new(

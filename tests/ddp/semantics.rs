@@ -15,7 +15,7 @@ use burn_ddp::{
     UnevenInputs,
 };
 use burn_ddp_tests::{
-    Batch, BnCnn, Mlp, Run, device, float_tensors, materialized, max_relative_difference,
+    Batch, BnCnn, Mlp, Run, copy_of, device, float_tensors, materialized, max_relative_difference,
     run_training,
 };
 
@@ -270,4 +270,49 @@ fn join_mode_with_11_samples_2_ranks_batch_5_equals_single_device_training() {
     .unwrap();
     let report = report.unwrap();
     assert_eq!((report.ranks[0].batches, report.ranks[1].batches), (2, 2));
+}
+
+#[test]
+fn sync_batch_norm_over_2_replicas_matches_batch_norm_on_one_device() {
+    use burn_ddp_tests::SyncBnCnn;
+    let model = materialized(SyncBnCnn::new(&device()));
+    // One device, batch 16: SyncBatchNorm without a process group is plain BatchNorm.
+    // (`copy_of`: clones of a module share Burn's RunningState, runs must not.)
+    let (single, _) = run_training(
+        copy_of(&model),
+        SgdConfig::new().init(),
+        0.1,
+        &Run::new(None, 16, 10 * 16),
+    )
+    .unwrap();
+    let mut run = Run::new(Some(2), 16, 10 * 16);
+    run.config = DdpConfig::default().with_consistency_check_every(1);
+    let (synced, _) = run_training(copy_of(&model), SgdConfig::new().init(), 0.1, &run).unwrap();
+    let diff = max_relative_difference(&synced, &single);
+    assert!(
+        diff <= 1e-4,
+        "SyncBatchNorm differs from one device by {diff}"
+    );
+    assert!(max_relative_difference(&single, &float_tensors(&model)) > 1e-3);
+
+    // Plain BatchNorm normalises each replica's 8 samples on their own: not the same training.
+    let plain = materialized(BnCnn::new(&device()));
+    let (one, _) = run_training(
+        plain.clone(),
+        SgdConfig::new().init(),
+        0.1,
+        &Run::new(None, 16, 160),
+    )
+    .unwrap();
+    let (two, _) = run_training(
+        plain,
+        SgdConfig::new().init(),
+        0.1,
+        &Run::new(Some(2), 16, 160),
+    )
+    .unwrap();
+    assert!(
+        max_relative_difference(&two, &one) > 10.0 * diff.max(1e-6),
+        "the per-replica statistics should make plain BatchNorm differ"
+    );
 }

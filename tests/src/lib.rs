@@ -194,7 +194,10 @@ fn classify<B: Backend>(
 
 macro_rules! classifier_steps {
     ($model:ident) => {
-        impl<B: AutodiffBackend> TrainStep for $model<B> {
+        classifier_steps!($model, Backend, AutodiffBackend);
+    };
+    ($model:ident, $inference:path, $training:path) => {
+        impl<B: $training> TrainStep for $model<B> {
             type Input = Batch<B>;
             type Output = ClassificationOutput<B>;
 
@@ -204,7 +207,7 @@ macro_rules! classifier_steps {
             }
         }
 
-        impl<B: Backend> InferenceStep for $model<B> {
+        impl<B: $inference> InferenceStep for $model<B> {
             type Input = Batch<B>;
             type Output = ClassificationOutput<B>;
 
@@ -215,8 +218,55 @@ macro_rules! classifier_steps {
     };
 }
 
+/// An autodiff backend whose inner backend also synchronises batch statistics.
+pub trait SyncAutodiff:
+    AutodiffBackend<InnerBackend: burn_ddp::SyncBatchNormBackend> + burn_ddp::SyncBatchNormBackend
+{
+}
+
+impl<B> SyncAutodiff for B where
+    B: AutodiffBackend<InnerBackend: burn_ddp::SyncBatchNormBackend>
+        + burn_ddp::SyncBatchNormBackend
+{
+}
+
 classifier_steps!(Mlp);
 classifier_steps!(BnCnn);
+classifier_steps!(SyncBnCnn, burn_ddp::SyncBatchNormBackend, SyncAutodiff);
+
+/// The [`BnCnn`] with burn-ddp's `SyncBatchNorm` instead of `BatchNorm`.
+#[derive(Module, Debug)]
+pub struct SyncBnCnn<B: Backend> {
+    conv: Conv2d<B>,
+    norm: burn_ddp::SyncBatchNorm<B>,
+    fc: Linear<B>,
+    activation: Relu,
+}
+
+impl<B: Backend> SyncBnCnn<B> {
+    /// A new CNN on `device`.
+    pub fn new(device: &B::Device) -> Self {
+        Self {
+            conv: Conv2dConfig::new([1, 4], [3, 3])
+                .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+                .init(device),
+            norm: burn_ddp::SyncBatchNormConfig::new(4).init(device),
+            fc: LinearConfig::new(4 * FEATURES, CLASSES).init(device),
+            activation: Relu::new(),
+        }
+    }
+}
+
+impl<B: burn_ddp::SyncBatchNormBackend> SyncBnCnn<B> {
+    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [n, _] = inputs.dims();
+        let x = inputs.reshape([n, 1, 4, 4]);
+        let x = self
+            .activation
+            .forward(self.norm.forward(self.conv.forward(x)));
+        self.fc.forward(x.reshape([n, 4 * FEATURES]))
+    }
+}
 
 /// Where [`Interrupting`] finds the training's interrupter and after how many batches to use it.
 static INTERRUPT: std::sync::Mutex<Option<(Interrupter, usize)>> = std::sync::Mutex::new(None);
@@ -511,6 +561,13 @@ where
 pub fn materialized<M: Module<TestBackend>>(model: M) -> M {
     let _ = burn_ddp::value_fingerprint(&model);
     model
+}
+
+/// A copy of `model` that shares nothing with it: clones of a Burn module share their
+/// `RunningState` (BatchNorm statistics), so two trainings from clones would update the same
+/// statistics.
+pub fn copy_of<M: AutodiffModule<TestBackend>>(model: &M) -> M {
+    M::from_inner(model.valid())
 }
 
 /// The default device of the test backend.
