@@ -3,6 +3,7 @@
 //!
 //! - `cargo xtask example fashion-mnist [--features cuda] -- [ARGS]`: builds the example in
 //!   release mode and runs it with ARGS.
+//! - `cargo xtask bench [-- --long --out DIR]`: the benchmark, in release mode.
 //! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
 //!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
 //!   example's name (`fashion-mnist`), builds it too and runs that binary.
@@ -20,6 +21,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
+    /// Run the benchmark (release mode): throughput, collectives, bucket caps, projection.
+    Bench {
+        /// Arguments for the benchmark, after `--` (e.g. `--long`, `--out DIR`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// Build an example in release mode and run it.
     Example {
         /// The example: `fashion-mnist`.
@@ -42,6 +49,13 @@ fn main() -> ExitCode {
         return launch(&raw[1..]);
     }
     match Cli::parse().command {
+        Task::Bench { args } => {
+            let mut cargo = cargo();
+            cargo
+                .args(["run", "--release", "--package", "ddp-bench", "--"])
+                .args(&args);
+            run(cargo)
+        }
         Task::Example {
             name,
             features,

@@ -1,0 +1,285 @@
+//! `cargo xtask bench`: burn-ddp against the data-parallel options a Burn user already has,
+//! measured side by side in one run.
+//!
+//! - training throughput of the Fashion-MNIST CNN and a communication-heavy MLP (5.8 M
+//!   parameters) at the same global batch: plain Burn on one device, Burn's `MultiDevice`,
+//!   burn-ddp with threads (world size 1 and 2, and 4 with `--long`) and with processes over
+//!   `TcpGroup` (2); samples/s is the median of timed windows after a warm-up;
+//! - all-reduce of 4 KiB to 256 MiB on `ThreadGroup` and `TcpGroup`, against memcpy;
+//! - bucket caps (one all-reduce per parameter, 1, 4, 25, 100 MiB);
+//! - a projection of scaling efficiency at 2, 4 and 8 GPUs for named links.
+//!
+//! Prints a Markdown report and writes `bench.json`, `bench.md` and SVG plots to `--out`.
+
+mod collectives;
+mod models;
+mod report;
+mod training;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn_ddp::launch::{LaunchConfig, launch};
+use burn_ddp::{ProcessGroup, TcpGroup, TcpGroupOptions};
+use clap::{Parser, Subcommand};
+
+use crate::collectives::GroupKind;
+use crate::models::ModelKind;
+use crate::report::{Projection, Results, links, project};
+use crate::training::{Plan, Strategy, Throughput};
+
+#[derive(Parser)]
+#[command(about = "burn-ddp benchmark: throughput, collectives, bucket caps, projection")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Longer timed windows, world size 4 with threads, bigger collective budgets.
+    #[arg(long)]
+    long: bool,
+    /// Directory for bench.json, bench.md and the SVG plots.
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+    /// Skip the training throughput runs.
+    #[arg(long)]
+    skip_training: bool,
+    /// Skip the all-reduce and bucket sweeps.
+    #[arg(long)]
+    skip_collectives: bool,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// (Internal) one rank of the multi-process throughput run, started by the launcher.
+    Worker {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        global_batch: usize,
+        #[arg(long)]
+        warmup: usize,
+        #[arg(long)]
+        window: usize,
+        #[arg(long)]
+        windows: usize,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Command::Worker {
+        model,
+        global_batch,
+        warmup,
+        window,
+        windows,
+        out,
+    }) = cli.command
+    {
+        return worker(&model, global_batch, warmup, window, windows, &out);
+    }
+    let results = bench(&cli);
+    println!("{}", results.markdown());
+    match results.write(&cli.out) {
+        Ok(()) => {
+            println!(
+                "Wrote {}/bench.json, bench.md, throughput.svg, step_split.svg, busbw.svg",
+                cli.out.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("ddp-bench: cannot write the results: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn worker(
+    model: &str,
+    global_batch: usize,
+    warmup: usize,
+    window: usize,
+    windows: usize,
+    out: &PathBuf,
+) -> ExitCode {
+    let Some(kind) = ModelKind::parse(model) else {
+        eprintln!("ddp-bench worker: unknown model {model}");
+        return ExitCode::FAILURE;
+    };
+    let group: Arc<dyn ProcessGroup> = match TcpGroup::from_env(&TcpGroupOptions::default()) {
+        Ok(group) => Arc::new(group),
+        Err(e) => {
+            eprintln!("ddp-bench worker: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let rank = group.rank();
+    let n = group.world_size();
+    let plan = Plan {
+        global_batch,
+        warmup_steps: warmup,
+        window_steps: window,
+        windows,
+    };
+    let result = training::run(kind, Strategy::DdpProcesses(n), &plan, Some(group));
+    if rank == 0 {
+        let json = serde_json::to_string(&result).unwrap_or_default();
+        if let Err(e) = std::fs::write(out, json) {
+            eprintln!("ddp-bench worker: cannot write {}: {e}", out.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// The multi-process run: this binary started `n` times by burn-ddp's launcher.
+fn processes(kind: ModelKind, n: usize, plan: &Plan) -> Throughput {
+    let out = std::env::temp_dir().join(format!(
+        "ddp-bench-{}-{}.json",
+        std::process::id(),
+        kind.arg()
+    ));
+    let failed = |note: String| Throughput {
+        model: kind,
+        strategy: Strategy::DdpProcesses(n),
+        windows: Vec::new(),
+        samples_per_second: 0.0,
+        split: None,
+        note: Some(note),
+    };
+    let program = match std::env::current_exe() {
+        Ok(program) => program,
+        Err(e) => return failed(format!("cannot find this program: {e}")),
+    };
+    let args = vec![
+        "worker".to_string(),
+        "--model".into(),
+        kind.arg().into(),
+        "--global-batch".into(),
+        plan.global_batch.to_string(),
+        "--warmup".into(),
+        plan.warmup_steps.to_string(),
+        "--window".into(),
+        plan.window_steps.to_string(),
+        "--windows".into(),
+        plan.windows.to_string(),
+        "--out".into(),
+        out.display().to_string(),
+    ];
+    let mut config = LaunchConfig::new(n, program, args);
+    config.master_port = 0;
+    if let Err(e) = launch(&config) {
+        return failed(e.to_string());
+    }
+    let result = std::fs::read_to_string(&out)
+        .map_err(|e| e.to_string())
+        .and_then(|json| serde_json::from_str(&json).map_err(|e| e.to_string()));
+    let _ = std::fs::remove_file(&out);
+    result.unwrap_or_else(|e| failed(format!("no result from rank 0: {e}")))
+}
+
+fn bench(cli: &Cli) -> Results {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let plan = if cli.long {
+        Plan {
+            global_batch: 64,
+            warmup_steps: 5,
+            window_steps: 10,
+            windows: 8,
+        }
+    } else {
+        Plan {
+            global_batch: 64,
+            warmup_steps: 3,
+            window_steps: 5,
+            windows: 3,
+        }
+    };
+    let mut results = Results {
+        machine: format!(
+            "{} CPU threads, Flex backend, global batch {}, {} warm-up steps + {} windows of {} steps",
+            threads, plan.global_batch, plan.warmup_steps, plan.windows, plan.window_steps
+        ),
+        links: links(),
+        ..Results::default()
+    };
+    let mut strategies = vec![
+        Strategy::Single,
+        Strategy::BurnMultiDevice(2),
+        Strategy::DdpThreads(1),
+        Strategy::DdpThreads(2),
+        Strategy::DdpProcesses(2),
+    ];
+    if cli.long {
+        strategies.push(Strategy::DdpThreads(4));
+    }
+    if !cli.skip_training {
+        for kind in [ModelKind::Cnn, ModelKind::Mlp] {
+            for &strategy in &strategies {
+                eprintln!(
+                    "training {} with {} (N = {})",
+                    kind.name(),
+                    strategy.family(),
+                    strategy.world_size()
+                );
+                let result = match strategy {
+                    Strategy::DdpProcesses(n) => processes(kind, n, &plan),
+                    _ => training::run(kind, strategy, &plan, None),
+                };
+                eprintln!("  {:.1} samples/s", result.samples_per_second);
+                results.throughput.push(result);
+            }
+        }
+    }
+    for kind in [ModelKind::Cnn, ModelKind::Mlp] {
+        results
+            .gradient_bytes
+            .push((kind, collectives::gradient_bytes(kind)));
+    }
+    if !cli.skip_collectives {
+        let budget = Duration::from_millis(if cli.long { 1000 } else { 300 });
+        let sizes: Vec<usize> = (0..9).map(|i| 4096usize << (2 * i)).collect();
+        eprintln!("memcpy sweep");
+        results.memcpy = collectives::memcpy_sweep(&sizes, budget);
+        for group in [GroupKind::Threads, GroupKind::Tcp] {
+            eprintln!("all-reduce sweep: {}", group.name());
+            results
+                .all_reduce
+                .extend(collectives::all_reduce_sweep(group, 2, &sizes, budget));
+        }
+        for kind in [ModelKind::Cnn, ModelKind::Mlp] {
+            for group in [GroupKind::Threads, GroupKind::Tcp] {
+                eprintln!("bucket sweep: {} on {}", kind.name(), group.name());
+                results.buckets.extend(collectives::bucket_sweep(
+                    kind,
+                    group,
+                    &[1, 4, 25, 100],
+                    budget,
+                ));
+            }
+        }
+    }
+    for (kind, bytes) in results.gradient_bytes.clone() {
+        let Some(single) = results.throughput.iter().find(|t| {
+            t.model == kind && t.strategy == Strategy::Single && t.samples_per_second > 0.0
+        }) else {
+            continue;
+        };
+        let t1 = plan.global_batch as f64 / single.samples_per_second;
+        for link in links() {
+            for gpus in [2, 4, 8] {
+                results.projection.push(Projection {
+                    model: kind,
+                    link: link.name.clone(),
+                    gpus,
+                    efficiency: project(t1, bytes, gpus, &link),
+                });
+            }
+        }
+    }
+    results
+}

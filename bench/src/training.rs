@@ -1,0 +1,340 @@
+//! Training throughput: the same model, data and global batch under each strategy, through
+//! burn-train's `SupervisedTraining`, timed in windows of steps after a warm-up.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex};
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use burn::data::dataset::InMemDataset;
+use burn::module::AutodiffModule;
+use burn::optim::AdamConfig;
+use burn::train::logger::InMemoryMetricLogger;
+use burn::train::metric::MetricDefinition;
+use burn::train::renderer::{
+    EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
+    MetricsRendererTraining, ProgressType, TrainingProgress,
+};
+use burn::train::{
+    ClassificationOutput, ExecutionStrategy, InferenceStep, Learner, MultiDeviceOptim,
+    SupervisedTraining, TrainStep,
+};
+use burn_ddp::metrics::TrainingReport;
+use burn_ddp::{DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler, ProcessGroup};
+use fashion_mnist::data::{FashionBatch, FashionBatcher};
+use serde::{Deserialize, Serialize};
+
+use crate::models::{BigMlp, ModelKind, synthetic_images};
+
+/// The CPU backend of the benchmark (the faster one on these models, see the README).
+pub type B = Autodiff<Flex>;
+
+/// A way to train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Strategy {
+    /// Plain Burn on one device: the reference.
+    Single,
+    /// Burn's `ExecutionStrategy::MultiDevice` (gradients gathered on the first device).
+    BurnMultiDevice(usize),
+    /// burn-ddp, replicas as threads.
+    DdpThreads(usize),
+    /// burn-ddp, replicas as processes over `TcpGroup`.
+    DdpProcesses(usize),
+}
+
+impl Strategy {
+    /// Replicas.
+    pub fn world_size(self) -> usize {
+        match self {
+            Strategy::Single => 1,
+            Strategy::BurnMultiDevice(n) | Strategy::DdpThreads(n) | Strategy::DdpProcesses(n) => n,
+        }
+    }
+
+    /// Name in tables and plots (without the world size).
+    pub fn family(self) -> &'static str {
+        match self {
+            Strategy::Single => "plain Burn, 1 device",
+            Strategy::BurnMultiDevice(_) => "Burn MultiDevice",
+            Strategy::DdpThreads(_) => "burn-ddp threads",
+            Strategy::DdpProcesses(_) => "burn-ddp processes (TCP)",
+        }
+    }
+}
+
+/// How long a run is: warm-up steps, then `windows` windows of `window_steps` steps.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Plan {
+    /// Samples per optimizer step over all replicas.
+    pub global_batch: usize,
+    /// Steps before timing starts.
+    pub warmup_steps: usize,
+    /// Steps per timed window.
+    pub window_steps: usize,
+    /// Timed windows.
+    pub windows: usize,
+}
+
+impl Plan {
+    fn steps(&self) -> usize {
+        self.warmup_steps + self.window_steps * self.windows
+    }
+}
+
+/// Average time per optimizer step in each phase (burn-ddp runs), in milliseconds.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StepSplit {
+    /// Forward and backward.
+    pub compute_ms: f64,
+    /// Gradients into buckets.
+    pub flatten_ms: f64,
+    /// All-reduce, including waiting for slower ranks.
+    pub all_reduce_ms: f64,
+    /// Buckets back into gradients.
+    pub unflatten_ms: f64,
+    /// The per-step agreement (every rank has a batch?).
+    pub agreement_ms: f64,
+    /// Optimizer step.
+    pub optimizer_ms: f64,
+}
+
+/// One run's result.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Throughput {
+    /// The model.
+    pub model: ModelKind,
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Samples/s of each timed window.
+    pub windows: Vec<f64>,
+    /// Their median.
+    pub samples_per_second: f64,
+    /// Rank 0's step split, for burn-ddp runs.
+    pub split: Option<StepSplit>,
+    /// Why the run has no figure (when it failed or does not apply).
+    pub note: Option<String>,
+}
+
+/// Records when each training item reached burn-train's renderer, with the samples done so far.
+#[derive(Clone, Default)]
+struct Clock(Arc<Mutex<Vec<(Instant, usize)>>>);
+
+impl MetricsRendererTraining for Clock {
+    fn update_train(&mut self, _state: MetricState) {}
+    fn update_valid(&mut self, _state: MetricState) {}
+    fn render_train(&mut self, item: TrainingProgress, _indicators: Vec<ProgressType>) {
+        if let (Some(progress), Ok(mut ticks)) = (item.progress, self.0.lock()) {
+            ticks.push((Instant::now(), progress.items_processed));
+        }
+    }
+    fn render_valid(&mut self, _item: TrainingProgress, _indicators: Vec<ProgressType>) {}
+}
+
+impl MetricsRendererEvaluation for Clock {
+    fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
+    fn render_test(&mut self, _item: EvaluationProgress, _indicators: Vec<ProgressType>) {}
+}
+
+impl MetricsRenderer for Clock {
+    fn manual_close(&mut self) {}
+    fn register_metric(&mut self, _definition: MetricDefinition) {}
+}
+
+/// Samples/s per window, from the renderer's ticks: window `w` spans the samples
+/// `[warmup + w * window, warmup + (w + 1) * window)` (counted over all replicas).
+fn windows(ticks: &[(Instant, usize)], plan: &Plan) -> Vec<f64> {
+    let time_at = |samples: usize| {
+        ticks
+            .iter()
+            .find(|(_, done)| *done >= samples)
+            .map(|(t, _)| *t)
+    };
+    let per_window = plan.window_steps * plan.global_batch;
+    (0..plan.windows)
+        .filter_map(|w| {
+            let start = (plan.warmup_steps * plan.global_batch) + w * per_window;
+            let (a, b) = (time_at(start)?, time_at(start + per_window)?);
+            let seconds = (b - a).as_secs_f64();
+            (seconds > 0.0).then(|| per_window as f64 / seconds)
+        })
+        .collect()
+}
+
+/// The median of `values` (0 when empty).
+pub fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// Trains `kind` with `strategy` in this process (`group`: this process is one rank of a
+/// multi-process job) and times it.
+pub fn run(
+    kind: ModelKind,
+    strategy: Strategy,
+    plan: &Plan,
+    group: Option<Arc<dyn ProcessGroup>>,
+) -> Throughput {
+    let device = Default::default();
+    match kind {
+        ModelKind::Cnn => {
+            let model = fashion_mnist::model::Cnn::<B>::new(&device);
+            let _ = burn_ddp::value_fingerprint(&model);
+            run_model(kind, model, strategy, plan, group)
+        }
+        ModelKind::Mlp => {
+            let model = BigMlp::<B>::new(&device);
+            let _ = burn_ddp::value_fingerprint(&model);
+            run_model(kind, model, strategy, plan, group)
+        }
+    }
+}
+
+fn run_model<M>(
+    kind: ModelKind,
+    model: M,
+    strategy: Strategy,
+    plan: &Plan,
+    group: Option<Arc<dyn ProcessGroup>>,
+) -> Throughput
+where
+    M: TrainStep<Input = FashionBatch<B>, Output = ClassificationOutput<B>>
+        + AutodiffModule<B>
+        + core::fmt::Display
+        + 'static,
+    M::InnerModule: InferenceStep<
+            Input = FashionBatch<burn::backend::Flex>,
+            Output = ClassificationOutput<burn::backend::Flex>,
+        >,
+{
+    let device: burn::tensor::Device<B> = Default::default();
+    let n = group
+        .as_ref()
+        .map_or(strategy.world_size(), |g| g.world_size());
+    let samples = plan.steps() * plan.global_batch;
+    let items = Arc::new(InMemDataset::new(synthetic_images(samples)));
+    let per_replica = plan.global_batch / n;
+    // Burn's strategies slice the loader themselves and take its batch size per device; burn-ddp
+    // gets a DistributedDataLoader with the same per-replica batch.
+    let train: Arc<dyn DataLoader<B, FashionBatch<B>>> = match strategy {
+        Strategy::Single => DataLoaderBuilder::new(FashionBatcher)
+            .batch_size(plan.global_batch)
+            .build(InMemDataset::new(synthetic_images(samples))),
+        Strategy::BurnMultiDevice(_) => DataLoaderBuilder::new(FashionBatcher)
+            .batch_size(per_replica)
+            .build(InMemDataset::new(synthetic_images(samples))),
+        _ => match DistributedSampler::new(samples, n).and_then(|sampler| {
+            DistributedDataLoader::new(items, FashionBatcher, sampler, per_replica, device)
+        }) {
+            Ok(loader) => Arc::new(loader),
+            Err(e) => return failed(kind, strategy, e.to_string()),
+        },
+    };
+    let valid = DataLoaderBuilder::new(FashionBatcher)
+        .batch_size(8)
+        .build(InMemDataset::new(synthetic_images(8)));
+    let clock = Clock::default();
+    let directory = std::env::temp_dir().join(format!("ddp-bench-{}", std::process::id()));
+    let training = SupervisedTraining::new(directory, train, valid)
+        .num_epochs(1)
+        .renderer(clock.clone())
+        .with_metric_logger(InMemoryMetricLogger::new())
+        .with_application_logger(None);
+    let learner = Learner::new(model, AdamConfig::new().init(), 1e-3);
+    let mut report: Option<TrainingReport> = None;
+    match strategy {
+        Strategy::Single => {
+            training
+                .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
+                .launch(learner);
+        }
+        Strategy::BurnMultiDevice(n) => {
+            training
+                .with_training_strategy(
+                    ExecutionStrategy::MultiDevice(
+                        vec![device; n],
+                        MultiDeviceOptim::OptimMainDevice,
+                    )
+                    .into(),
+                )
+                .launch(learner);
+        }
+        Strategy::DdpThreads(_) | Strategy::DdpProcesses(_) => {
+            let ddp = match group {
+                Some(group) => DdpStrategy::with_process_group(device, group),
+                None => DdpStrategy::new(vec![device; n]),
+            };
+            let handle = ddp.clone();
+            if let Err(e) = training.launch_ddp(learner, ddp) {
+                return failed(kind, strategy, e.to_string());
+            }
+            report = Some(handle.report());
+        }
+    }
+    // Let burn-train's event thread deliver the last items.
+    std::thread::sleep(Duration::from_millis(100));
+    let ticks = clock.0.lock().map(|t| t.clone()).unwrap_or_default();
+    let windows = windows(&ticks, plan);
+    let split = report.and_then(|r| r.ranks.first().cloned()).map(|rank| {
+        let steps = rank.comm.steps.max(1) as f64;
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / steps;
+        StepSplit {
+            compute_ms: ms(rank.compute),
+            flatten_ms: ms(rank.comm.flatten),
+            all_reduce_ms: ms(rank.comm.all_reduce),
+            unflatten_ms: ms(rank.comm.unflatten),
+            agreement_ms: ms(rank.coordination),
+            optimizer_ms: ms(rank.optimizer),
+        }
+    });
+    Throughput {
+        model: kind,
+        strategy,
+        samples_per_second: median(&windows),
+        note: windows
+            .is_empty()
+            .then(|| "no complete window was timed".to_string()),
+        windows,
+        split,
+    }
+}
+
+fn failed(model: ModelKind, strategy: Strategy, note: String) -> Throughput {
+    Throughput {
+        model,
+        strategy,
+        windows: Vec::new(),
+        samples_per_second: 0.0,
+        split: None,
+        note: Some(note),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_are_timed_between_sample_counts() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // 10 samples per step; ticks every step at 100 ms.
+        let ticks: Vec<(Instant, usize)> = (1..=10).map(|s| (at(100 * s as u64), 10 * s)).collect();
+        let plan = Plan {
+            global_batch: 10,
+            warmup_steps: 2,
+            window_steps: 4,
+            windows: 2,
+        };
+        // Window 0: samples 20..60, ticks at 200 ms and 600 ms: 40 samples in 0.4 s.
+        let rates = windows(&ticks, &plan);
+        assert_eq!(rates.len(), 2);
+        assert!((rates[0] - 100.0).abs() < 1e-6);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+}
