@@ -11,12 +11,13 @@
 //!   different world size, which would silently change the per-rank batch and the data shards.
 //!
 //! What resuming restores: burn-train's checkpoint (model, optimizer, LR scheduler) through
-//! `SupervisedTraining::checkpoint(epoch)`, and the data order through
-//! [`DistributedDataLoader::with_epoch`](crate::DistributedDataLoader::with_epoch)`(epoch)`. A
+//! `SupervisedTraining::checkpoint(epoch)`; the data order follows, because under
+//! [`DdpStrategy`](crate::DdpStrategy) the [`DistributedDataLoader`](crate::DistributedDataLoader)
+//! takes its epoch from burn-train's (see [`enter_epoch`](crate::sampler::enter_epoch)). A
 //! resumed run then trains exactly as the uninterrupted run would have (tested bit for bit).
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::record::{FileRecorder, Recorder, RecorderError};
 use burn::tensor::backend::Backend;
@@ -48,14 +49,38 @@ impl<R> AtomicRecorder<R> {
     }
 }
 
-/// `dir/.tmp-<name>-<pid>` for the final `dir/<name>`: no dot after the prefix, so the wrapped
-/// recorder's `set_extension` only appends its extension.
+/// `dir/.tmp-<name>-<pid>-<n>` for the final `dir/<name>`: unique per process and per call (two
+/// threads saving the same name never share a temporary), and no dot after the prefix, so the
+/// wrapped recorder's `set_extension` only appends its extension.
 fn temporary_for(file: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     let name = file
         .file_name()
         .map(|n| n.to_string_lossy().replace('.', "_"))
         .unwrap_or_default();
-    file.with_file_name(format!(".tmp-{name}-{}", std::process::id()))
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    file.with_file_name(format!(".tmp-{name}-{}-{n}", std::process::id()))
+}
+
+/// Syncs `written` to disk, renames it over `target` and syncs the directory so the rename is
+/// durable too. On failure the temporary is removed and `target` is left as it was.
+fn publish(written: &Path, target: &Path) -> std::io::Result<()> {
+    let result = std::fs::OpenOptions::new()
+        .write(true)
+        .open(written)
+        .and_then(|f| f.sync_all())
+        .and_then(|()| std::fs::rename(written, target));
+    if result.is_err() {
+        let _ = std::fs::remove_file(written);
+        return result;
+    }
+    if let Some(dir) = target.parent()
+        && let Ok(dir) = std::fs::File::open(dir)
+    {
+        // Best effort: directories cannot be opened for syncing on every platform.
+        let _ = dir.sync_all();
+    }
+    Ok(())
 }
 
 impl<B: Backend, R: FileRecorder<B>> Recorder<B> for AtomicRecorder<R> {
@@ -72,26 +97,19 @@ impl<B: Backend, R: FileRecorder<B>> Recorder<B> for AtomicRecorder<R> {
         let extension = <R as FileRecorder<B>>::file_extension();
         let target = file.with_extension(extension);
         let temporary = temporary_for(&file);
-        self.inner.save_item(item, temporary.clone())?;
         let written = temporary.with_extension(extension);
-        let fail = |e: std::io::Error| {
+        if let Err(e) = self.inner.save_item(item, temporary) {
+            // A half-written temporary is garbage; the previous checkpoint stays.
             let _ = std::fs::remove_file(&written);
+            return Err(e);
+        }
+        publish(&written, &target).map_err(|e| {
             RecorderError::Unknown(format!(
                 "cannot move {} to {}: {e}",
                 written.display(),
                 target.display()
             ))
-        };
-        std::fs::File::open(&written)
-            .and_then(|f| f.sync_all())
-            .map_err(fail)?;
-        std::fs::rename(&written, &target).map_err(fail)?;
-        if let Some(dir) = target.parent()
-            && let Ok(dir) = std::fs::File::open(dir)
-        {
-            let _ = dir.sync_all();
-        }
-        Ok(())
+        })
     }
 
     fn load_item<I: DeserializeOwned>(
@@ -117,7 +135,8 @@ pub struct DdpState {
     pub world_size: usize,
     /// Optimizer steps taken since the start of the run (skipped steps excluded).
     pub optimizer_steps: u64,
-    /// The data order of the next epoch: `DistributedDataLoader::with_epoch` takes it.
+    /// The sampler epoch of the next epoch (what `DistributedDataLoader::with_epoch` takes, for a
+    /// loader used outside `DdpStrategy`).
     pub next_sampler_epoch: u64,
 }
 
@@ -140,11 +159,12 @@ impl DdpState {
         std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
         let temporary = temporary_for(&target);
         let json = serde_json::to_vec_pretty(self).map_err(|e| fail(e.to_string()))?;
-        let mut file = std::fs::File::create(&temporary).map_err(|e| fail(e.to_string()))?;
-        file.write_all(&json)
-            .and_then(|()| file.sync_all())
-            .map_err(|e| fail(e.to_string()))?;
-        std::fs::rename(&temporary, &target).map_err(|e| fail(e.to_string()))
+        std::fs::write(&temporary, &json)
+            .and_then(|()| publish(&temporary, &target))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&temporary);
+                fail(e.to_string())
+            })
     }
 
     /// Reads the state written after `epoch`, if there is one.
@@ -254,6 +274,11 @@ mod tests {
             Recorder::<B>::record(&recorder, layer.into_record(), dir.join("model-1")).is_err()
         );
         assert_eq!(std::fs::read(dir.join("model-1.mpk")).unwrap(), b"previous");
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, vec!["model-1.mpk".to_string()], "no temporary left");
         let _ = std::fs::remove_dir_all(dir);
     }
 

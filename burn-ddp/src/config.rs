@@ -230,6 +230,23 @@ impl DdpConfig {
         self.first_bucket_cap_bytes
     }
 
+    /// A hash of the settings that every rank must share (bucket caps, clipping, non-finite
+    /// policy, uneven inputs, buffer sync), compared across ranks at start-up.
+    pub fn semantics_fingerprint(&self) -> u64 {
+        let text = format!(
+            "{} {} {:?} {:?} {:?} {:?}",
+            self.bucket_cap_bytes,
+            self.first_bucket_cap_bytes,
+            self.clip_grad_norm.map(f32::to_bits),
+            self.non_finite,
+            self.uneven_inputs,
+            self.buffer_sync
+        );
+        text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    }
+
     /// Checks the values.
     ///
     /// # Errors

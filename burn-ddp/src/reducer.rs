@@ -32,6 +32,22 @@ use crate::{DdpConfig, DdpError, Result};
 /// Bytes of one gradient element in a bucket (`f32`).
 const ELEMENT_BYTES: usize = 4;
 
+/// Runs `$body` with `$D` bound to the const dimension `$ndims` (1 to 8).
+macro_rules! with_dims {
+    ($ndims:expr, $D:ident => $body:expr, else $fallback:expr) => {
+        with_dims!(@arms $ndims, $D, $body, $fallback, 1 2 3 4 5 6 7 8)
+    };
+    (@arms $ndims:expr, $D:ident, $body:expr, $fallback:expr, $($n:literal)*) => {
+        match $ndims {
+            $($n => {
+                const $D: usize = $n;
+                $body
+            })*
+            _ => $fallback,
+        }
+    };
+}
+
 /// One bucket: parameters whose gradients are all-reduced together.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bucket {
@@ -199,10 +215,14 @@ impl Reducer {
         device: &B::Device,
         options: &ReduceOptions,
     ) -> Result<ReduceOutcome> {
-        let plain = options.weight == 1.0 && options.clip_norm.is_none() && !options.check_finite;
-        if self.group.world_size() == 1 && plain && grads.is_some() {
+        if self.group.world_size() == 1
+            && options.weight == 1.0
+            && let Some(grads) = grads
+        {
+            // One rank: nothing to reduce, and no host copy of the gradients either. The checks
+            // run on the device, one scalar per parameter.
             self.stats.steps += 1;
-            return Ok(ReduceOutcome::plain(grads.unwrap_or_default()));
+            return Ok(self.local_checks::<B>(grads, options));
         }
         let mut grads = grads.unwrap_or_default();
         let rank = self.group.rank();
@@ -252,11 +272,6 @@ impl Reducer {
         let mut outcome = ReduceOutcome {
             local_non_finite,
             ..ReduceOutcome::plain(GradientsParams::new())
-        };
-        let grad_values = |data: &TensorData, bucket: &Bucket| -> Vec<f32> {
-            data.as_slice::<f32>()
-                .map(|v| v[..bucket.numel].to_vec())
-                .unwrap_or_default()
         };
         if options.check_finite {
             outcome.non_finite = self
@@ -315,6 +330,64 @@ impl Reducer {
         Ok(outcome)
     }
 
+    /// The NaN/infinity check and clipping of [`reduce_with`](Self::reduce_with) for a world
+    /// size of 1, on the device: one sum (or sum of squares, when clipping) per parameter, read
+    /// back together; clipping multiplies each gradient on the device.
+    fn local_checks<B: Backend>(
+        &self,
+        mut grads: GradientsParams,
+        options: &ReduceOptions,
+    ) -> ReduceOutcome {
+        if options.clip_norm.is_none() && !options.check_finite {
+            return ReduceOutcome::plain(grads);
+        }
+        let squares = options.clip_norm.is_some();
+        let mut parts: Vec<Tensor<B, 1>> = Vec::with_capacity(self.params.len());
+        for spec in &self.params {
+            let part: Option<Tensor<B, 1>> = with_dims!(spec.shape.len(), D => {
+                grads.get::<B, D>(spec.id).map(|g| {
+                    let g = g.reshape([spec.numel()]);
+                    // NaN and infinity survive a sum (and a sum of squares).
+                    if squares { g.powf_scalar(2.0).sum() } else { g.sum() }
+                })
+            }, else None);
+            parts.extend(part);
+        }
+        let mut outcome = ReduceOutcome::plain(GradientsParams::new());
+        if parts.is_empty() {
+            outcome.grads = grads;
+            return outcome;
+        }
+        let values: Vec<f64> = Tensor::cat(parts, 0)
+            .into_data()
+            .convert::<f64>()
+            .to_vec::<f64>()
+            .unwrap_or_default();
+        if values.iter().any(|v| !v.is_finite()) {
+            if options.check_finite {
+                outcome.non_finite = true;
+                outcome.local_non_finite = true;
+                return outcome;
+            }
+        } else if let Some(max_norm) = options.clip_norm {
+            let norm = values.iter().sum::<f64>().sqrt();
+            outcome.grad_norm = Some(norm);
+            let coefficient = f64::from(max_norm) / (norm + 1e-6);
+            if coefficient < 1.0 {
+                outcome.clip_scale = Some(coefficient as f32);
+                for spec in &self.params {
+                    with_dims!(spec.shape.len(), D => {
+                        if let Some(g) = grads.remove::<B, D>(spec.id) {
+                            grads.register::<B, D>(spec.id, g.mul_scalar(coefficient));
+                        }
+                    }, else {});
+                }
+            }
+        }
+        outcome.grads = grads;
+        outcome
+    }
+
     /// A flat bucket (gradients followed by presence flags) as host `f32` data of the expected
     /// length.
     fn bucket_data<B: Backend>(
@@ -347,6 +420,13 @@ impl Reducer {
         }
         Ok(data)
     }
+}
+
+/// The gradient values of a reduced bucket (without its presence flags), borrowed.
+fn grad_values<'a>(data: &'a TensorData, bucket: &Bucket) -> &'a [f32] {
+    data.as_slice::<f32>()
+        .map(|v| &v[..bucket.numel])
+        .unwrap_or_default()
 }
 
 /// The `f32` values of data that [`Reducer::bucket_data`] checked to be `f32`.
@@ -408,22 +488,6 @@ impl ReduceOutcome {
     }
 }
 
-/// Runs `$body` with `$D` bound to the const dimension `$ndims` (1 to 8).
-macro_rules! with_dims {
-    ($ndims:expr, $D:ident => $body:expr, else $fallback:expr) => {
-        with_dims!(@arms $ndims, $D, $body, $fallback, 1 2 3 4 5 6 7 8)
-    };
-    (@arms $ndims:expr, $D:ident, $body:expr, $fallback:expr, $($n:literal)*) => {
-        match $ndims {
-            $($n => {
-                const $D: usize = $n;
-                $body
-            })*
-            _ => $fallback,
-        }
-    };
-}
-
 /// Removes `spec`'s gradient from `grads` and flattens it to one dimension.
 fn take_flat<B: Backend>(
     grads: &mut GradientsParams,
@@ -463,6 +527,81 @@ fn register_shaped<B: Backend>(grads: &mut GradientsParams, spec: &TensorSpec, f
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::group::ThreadGroup;
+    use burn::backend::NdArray;
+    use burn::nn::{Linear, LinearConfig};
+
+    type B = NdArray;
+    /// Parameters are the tensors that require gradients: those of an autodiff module.
+    type AutodiffB = burn::backend::Autodiff<NdArray>;
+
+    /// Gradients of `layer` with `weight[0][0] = w` and `bias[1] = b`, zeros elsewhere.
+    fn grads_of(layer: &Linear<AutodiffB>, w: f32, b: f32) -> GradientsParams {
+        let device = Default::default();
+        let mut grads = GradientsParams::new();
+        let weight = Tensor::<B, 2>::from_data([[w, 0.0], [0.0, 0.0], [0.0, 0.0]], &device);
+        grads.register::<B, 2>(layer.weight.id, weight);
+        let bias = layer.bias.as_ref().unwrap().id;
+        grads.register::<B, 1>(bias, Tensor::from_data([0.0, b], &device));
+        grads
+    }
+
+    /// Reduces rank r's `(w, b)` over `inputs.len()` ranks with `clip_norm`; returns rank 0's
+    /// `(weight[0][0], bias[1], grad_norm, clip_scale)`.
+    fn clipped(inputs: &[(f32, f32)], clip_norm: f32) -> (f32, f32, Option<f64>, Option<f32>) {
+        let layer: Linear<AutodiffB> = LinearConfig::new(3, 2).init(&Default::default());
+        let layout = ReplicaLayout::of(&layer);
+        assert_eq!(layout.parameters().count(), 2);
+        let groups = ThreadGroup::new_group(inputs.len()).unwrap();
+        let options = ReduceOptions {
+            clip_norm: Some(clip_norm),
+            ..ReduceOptions::default()
+        };
+        let outcomes: Vec<ReduceOutcome> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .zip(inputs)
+                .map(|(group, &(w, b))| {
+                    let (layer, layout, options) = (&layer, &layout, &options);
+                    s.spawn(move || {
+                        let group: Arc<dyn ProcessGroup> = Arc::new(group);
+                        let mut reducer =
+                            Reducer::new(group, layout, &DdpConfig::default()).unwrap();
+                        let grads = grads_of(layer, w, b);
+                        reducer
+                            .reduce_with::<B>(Some(grads), &Default::default(), options)
+                            .unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let first = &outcomes[0];
+        let weight = first.grads.get::<B, 2>(layer.weight.id).unwrap();
+        let bias_id = layer.bias.as_ref().unwrap().id;
+        let bias = first.grads.get::<B, 1>(bias_id).unwrap();
+        let w = weight.into_data().to_vec::<f32>().unwrap()[0];
+        let b = bias.into_data().to_vec::<f32>().unwrap()[1];
+        (w, b, first.grad_norm, first.clip_scale)
+    }
+
+    #[test]
+    fn clipping_follows_the_torch_formula_on_the_reduced_gradients() {
+        // Averaged over 2 ranks: weight[0][0] = (6 + 0) / 2 = 3, bias[1] = (0 + 8) / 2 = 4, so
+        // the global 2-norm is 5; clipping to 1 multiplies by 1 / (5 + 1e-6).
+        let coefficient = 1.0 / (5.0 + 1e-6);
+        for inputs in [&[(6.0, 0.0), (0.0, 8.0)][..], &[(3.0, 4.0)][..]] {
+            let (w, b, norm, scale) = clipped(inputs, 1.0);
+            assert_eq!(norm, Some(5.0), "{} ranks", inputs.len());
+            let scale = scale.expect("clipped");
+            assert!((f64::from(scale) - coefficient).abs() < 1e-7, "{scale}");
+            assert!((f64::from(w) - 3.0 * coefficient).abs() < 1e-6, "{w}");
+            assert!((f64::from(b) - 4.0 * coefficient).abs() < 1e-6, "{b}");
+            // Below the threshold nothing changes (and no scale is reported).
+            let (w, b, norm, scale) = clipped(inputs, 10.0);
+            assert_eq!((w, b, norm, scale), (3.0, 4.0, Some(5.0), None));
+        }
+    }
 
     #[test]
     fn buckets_follow_reverse_order_and_caps() {

@@ -497,6 +497,21 @@ pub fn broadcast_buffers<B: Backend, M: Module<B>>(
     broadcast_tensors(module, group, root, timeout, true)
 }
 
+/// The buffers of `module` (float tensors without gradients), as raw words: what
+/// [`restore_buffers`] puts back. Flush `RunningState`'s pending updates first if they must count
+/// (`AutodiffModule::valid` does).
+pub fn snapshot_buffers<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+    let mut pack = Pack::new(true, Encoding::Bytes, None);
+    module.visit(&mut pack);
+    pack.words
+}
+
+/// Writes a [`snapshot_buffers`] snapshot back into `module`'s buffers.
+pub fn restore_buffers<B: Backend, M: Module<B>>(module: M, snapshot: &[f32]) -> M {
+    let mut unpack = Unpack::new(snapshot, true, Encoding::Bytes, None);
+    module.map(&mut unpack)
+}
+
 /// One 64-bit FNV-1a hash per float tensor of `module` (parameters and buffers, registration
 /// order) over the bits of its values. Two replicas hold bit-identical values exactly when the
 /// hashes agree (up to hash collisions).

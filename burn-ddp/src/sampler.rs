@@ -31,7 +31,38 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
+use std::cell::Cell;
+
 use crate::group::chunk_range;
+
+thread_local! {
+    static EPOCH: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+/// Until the guard is dropped, every [`DistributedDataLoader::iter`] on this thread uses sampler
+/// epoch `epoch` instead of the loader's own counter. [`DdpStrategy`](crate::DdpStrategy) enters
+/// burn-train's epoch `k` as sampler epoch `k - 1` on every replica thread, so a resumed run gets
+/// the data order the uninterrupted run would have had.
+pub fn enter_epoch(epoch: u64) -> EpochGuard {
+    let previous = EPOCH.with(|e| e.replace(Some(epoch)));
+    EpochGuard {
+        previous,
+        _not_send: std::marker::PhantomData,
+    }
+}
+
+/// Restores the previous epoch override when dropped (on the thread that entered it).
+pub struct EpochGuard {
+    previous: Option<u64>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for EpochGuard {
+    fn drop(&mut self) {
+        let previous = self.previous;
+        EPOCH.with(|e| e.set(previous));
+    }
+}
 use crate::{DdpError, Result};
 
 /// Index sampler with PyTorch's `DistributedSampler` semantics (see the [module docs](self)).
@@ -216,7 +247,9 @@ impl DistributedSampler {
 /// `batch_size * world_size`.
 ///
 /// Each call to [`iter`](DataLoader::iter) starts the next epoch (0, 1, 2, ... unless
-/// [`with_epoch`](Self::with_epoch) sets the first), so every epoch gets a new order.
+/// [`with_epoch`](Self::with_epoch) sets the first), so every epoch gets a new order. Under
+/// [`DdpStrategy`](crate::DdpStrategy) the epoch follows burn-train's (see [`enter_epoch`]), also
+/// when resuming from a checkpoint.
 pub struct DistributedDataLoader<B: Backend, I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<B, I, O>>,
@@ -303,7 +336,8 @@ where
     O: Send + 'static,
 {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
-        let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+        let counted = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+        let epoch = EPOCH.with(Cell::get).unwrap_or(counted);
         let indices = self.sampler.shard_major(epoch, self.positions.clone());
         Box::new(DistributedIterator {
             loader: self,

@@ -256,6 +256,8 @@ struct Worker<LC: LearningComponentsTypes> {
     /// Average buffers (BatchNorm statistics) across ranks after every step: replicas in other
     /// processes do not share Burn's `RunningState`.
     average_buffers: bool,
+    /// Optimizer steps of the run this one resumes (from its DDP state file).
+    steps_before: u64,
 }
 
 /// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
@@ -334,7 +336,14 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
                     .collect()
             }),
         };
+        let join = self.config.uneven_inputs() == UnevenInputs::Join;
+        let accumulation = components.grad_accumulation.unwrap_or(1);
         let prepared = self.config.validate().and_then(|()| {
+            if join && accumulation > 1 {
+                return Err(DdpError::InvalidConfig(
+                    "UnevenInputs::Join cannot be combined with grads_accumulation".into(),
+                ));
+            }
             let local = local?;
             let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
             let shards = split_train_loader::<LC>(
@@ -406,6 +415,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
                     epochs: starting_epoch..=components.num_epochs,
                     report: self.report.clone(),
                     average_buffers: !threads && world_size > 1,
+                    steps_before: 0,
                 }
             })
             .collect();
@@ -579,13 +589,14 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             std::panic::catch_unwind(AssertUnwindSafe(|| self.train(&mut report, &mut model_out)));
         let result = match result {
             Ok(result) => result,
-            Err(payload) => {
-                let err = DdpError::WorkerPanicked {
+            // SyncBatchNorm's collectives raise their errors as panics carrying the error.
+            Err(payload) => match payload.downcast::<DdpError>() {
+                Ok(err) => Err(*err),
+                Err(payload) => Err(DdpError::WorkerPanicked {
                     rank: self.rank,
                     message: panic_message(payload.as_ref()),
-                };
-                Err(err)
-            }
+                }),
+            },
         };
         if let Err(err) = &result {
             tracing::error!("burn-ddp: rank {} failed: {err}", self.rank);
@@ -622,21 +633,36 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             self.config.clone(),
         )?;
         self.learner.load_model(model.into_record());
-        // Processes resuming from different checkpoints would train different epochs.
-        let epochs = [*self.epochs.start() as u64, *self.epochs.end() as u64];
-        let all = self.group.all_gather(&epochs, self.config.timeout())?;
+        // Processes resuming from different checkpoints would train different epochs, and
+        // different settings would diverge or call different collectives.
+        let mine = [
+            *self.epochs.start() as u64,
+            *self.epochs.end() as u64,
+            self.config.semantics_fingerprint() ^ self.grad_accumulation as u64,
+        ];
+        let all = self.group.all_gather(&mine, self.config.timeout())?;
         if let Some((other, theirs)) = all
-            .chunks(2)
+            .chunks(3)
             .enumerate()
-            .find(|(_, theirs)| *theirs != epochs)
+            .find(|(_, theirs)| *theirs != mine)
         {
-            return Err(DdpError::ReplicaMismatch {
-                rank: self.rank,
-                detail: format!(
+            let detail = if theirs[..2] != mine[..2] {
+                format!(
                     "rank {} trains epochs {}..={} but rank {other} trains {}..={} (resumed from \
                      different checkpoints?)",
-                    self.rank, epochs[0], epochs[1], theirs[0], theirs[1]
-                ),
+                    self.rank, mine[0], mine[1], theirs[0], theirs[1]
+                )
+            } else {
+                format!(
+                    "rank {} and rank {other} have different DdpConfig training settings (clipping, \
+                     non-finite policy, uneven inputs, buffer sync, bucket caps) or gradient \
+                     accumulation; here: {}",
+                    self.rank, self.config
+                )
+            };
+            return Err(DdpError::ReplicaMismatch {
+                rank: self.rank,
+                detail,
             });
         }
         self.check_resumed_state()?;
@@ -661,18 +687,30 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             ));
         }
         let policy = self.config.non_finite();
+        // Optimizer steps taken and attempted (skipped ones included), over all epochs.
         let mut total_steps = 0u64;
+        let mut attempted = 0u64;
+        // BatchNorm statistics are updated in the forward pass: a skipped step must undo that.
+        let has_buffers = crate::replica::ReplicaLayout::of(&self.learner.model())
+            .buffers()
+            .next()
+            .is_some();
 
         for epoch in self.epochs.clone() {
             let epoch_start = Instant::now();
             let progress_global = Progress::new(epoch, *self.epochs.end());
             let dataloader = self.dataloader.clone();
+            // burn-train's epoch k is sampler epoch k - 1: a resumed run gets the order the
+            // uninterrupted run would have had, without the user telling the loader.
+            let _epoch = crate::sampler::enter_epoch(epoch as u64 - 1);
             let mut iterator = dataloader.iter();
             let mut accumulator = GradientsAccumulator::<TrainingModel<LC>>::new();
             let mut micro_batches = 0usize;
+            let mut buffer_snapshot: Option<Vec<f32>> = None;
             let mut steps = 0u64;
             let mut stop = false;
             let mut step = 0usize;
+            let mut epoch_samples = 0u64;
             loop {
                 let before = iterator.progress().items_processed;
                 let item = iterator.next();
@@ -694,6 +732,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 let with_batch: Vec<usize> = (0..world_size)
                     .filter(|&r| agreement.samples[r] > 0)
                     .collect();
+                epoch_samples += agreement.samples.iter().sum::<u64>();
                 if with_batch.is_empty() {
                     break;
                 }
@@ -709,6 +748,10 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                         remaining: with_batch,
                     });
                 }
+                if has_buffers && policy == NonFinite::SkipStep && micro_batches == 0 {
+                    // Taken before this step's forward passes touch BatchNorm statistics.
+                    buffer_snapshot = Some(crate::replica::snapshot_buffers(&self.learner.model()));
+                }
                 let output = item.map(|item| {
                     let started = Instant::now();
                     let output = self.learner.train_step(item);
@@ -716,6 +759,13 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     report.batches += 1;
                     output
                 });
+                if join && crate::sync_bn::used_on_this_thread() {
+                    return Err(DdpError::InvalidConfig(
+                        "SyncBatchNorm cannot be combined with UnevenInputs::Join: a rank without \
+                         a batch skips its forward pass and its SyncBatchNorm collectives"
+                            .into(),
+                    ));
+                }
                 let (grads, item) = match output {
                     Some(output) => (Some(output.grads), Some(output.item)),
                     // Join mode: this rank ran out of batches and contributes zeros.
@@ -760,6 +810,14 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                             });
                         }
                         report.skipped_steps += 1;
+                        // The forward passes updated BatchNorm statistics with the bad batch.
+                        if let Some(snapshot) = &buffer_snapshot {
+                            let model = self.learner.model();
+                            // Fold the pending updates first, so they cannot land afterwards.
+                            let _ = model.valid();
+                            let model = crate::replica::restore_buffers(model, snapshot);
+                            self.learner.load_model(model.into_record());
+                        }
                         tracing::warn!(
                             "burn-ddp: rank {}: skipped step {step} of epoch {epoch}: the gradients \
                              are not finite",
@@ -774,8 +832,9 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                         total_steps += 1;
                     }
                     self.sync_buffers(ddp)?;
+                    attempted += 1;
                     let every = self.config.consistency_check_every();
-                    if every > 0 && (steps + report.skipped_steps).is_multiple_of(every) {
+                    if every > 0 && attempted.is_multiple_of(every) {
                         ddp.check_consistency(&self.learner.model(), total_steps)?;
                     }
                 }
@@ -812,8 +871,8 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 }
             }
             let train_time = epoch_start.elapsed();
-            let samples = (iterator.progress().items_processed * world_size) as u64;
             drop(iterator);
+            let samples = epoch_samples;
 
             let mut stop_requested = stop;
             if let Role::Leader(leader) = &mut self.role {
@@ -836,7 +895,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                         DdpState {
                             epoch,
                             world_size,
-                            optimizer_steps: total_steps,
+                            optimizer_steps: self.steps_before + total_steps,
                             next_sampler_epoch: epoch as u64,
                         }
                         .write(dir)?;
@@ -879,7 +938,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
 
     /// Before the first step of a resumed run: the DDP state of the epoch it resumes after must
     /// come from a job of the same world size.
-    fn check_resumed_state(&self) -> Result<()> {
+    fn check_resumed_state(&mut self) -> Result<()> {
         let (Some(dir), first) = (self.config.checkpoint_dir(), *self.epochs.start()) else {
             return Ok(());
         };
@@ -898,7 +957,10 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     ),
                 })
             }
-            Some(_) => Ok(()),
+            Some(state) => {
+                self.steps_before = state.optimizer_steps;
+                Ok(())
+            }
             None => {
                 tracing::warn!(
                     "burn-ddp: resuming after epoch {} without {}",

@@ -13,7 +13,7 @@
 //! `BatchNorm`.
 //!
 //! It needs a backend that implements [`SyncBatchNormBackend`]: Burn's `Autodiff` over NdArray
-//! or Flex (and CUDA with the `cuda` feature). Every replica must run the same SyncBatchNorm
+//! or Flex (features `ndarray` and `flex`, on by default) or CUDA (feature `cuda`). Every replica must run the same SyncBatchNorm
 //! layers in the same order (it issues collectives); it cannot be combined with
 //! [`UnevenInputs::Join`](crate::UnevenInputs::Join), where a rank without a batch skips its
 //! forward pass. A collective that fails inside a forward or backward pass panics (those cannot
@@ -39,18 +39,29 @@ use crate::group::{ProcessGroup, ReduceOp};
 
 thread_local! {
     static CURRENT: RefCell<Option<(Arc<dyn ProcessGroup>, Duration)>> = const { RefCell::new(None) };
+    static USED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether a SyncBatchNorm layer ran a training forward pass on this thread (the strategy refuses
+/// to combine it with join mode).
+pub fn used_on_this_thread() -> bool {
+    USED.with(std::cell::Cell::get)
 }
 
 /// Makes `group` the current process group of this thread (for [`SyncBatchNorm`]) until the
 /// returned guard is dropped; collectives time out after `timeout`.
 pub fn enter_process_group(group: Arc<dyn ProcessGroup>, timeout: Duration) -> GroupGuard {
     let previous = CURRENT.with(|c| c.replace(Some((group, timeout))));
-    GroupGuard { previous }
+    GroupGuard {
+        previous,
+        _not_send: std::marker::PhantomData,
+    }
 }
 
-/// Restores the previous current process group when dropped.
+/// Restores the previous current process group when dropped (on the thread that entered it).
 pub struct GroupGuard {
     previous: Option<(Arc<dyn ProcessGroup>, Duration)>,
+    _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl Drop for GroupGuard {
@@ -65,6 +76,10 @@ fn current() -> Option<(Arc<dyn ProcessGroup>, Duration)> {
 }
 
 /// Sums a 1-D float tensor over the ranks of the current process group, on the host.
+#[cfg_attr(
+    not(any(feature = "ndarray", feature = "flex", feature = "cuda")),
+    allow(dead_code)
+)]
 fn host_sync_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     let Some((group, timeout)) = current().filter(|(g, _)| g.world_size() > 1) else {
         return tensor;
@@ -73,18 +88,14 @@ fn host_sync_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     let device = tensor.device();
     let dtype = tensor.dtype();
     let mut data = tensor.into_data().convert::<f32>();
-    let summed = data
-        .as_mut_slice::<f32>()
-        .map_err(|e| format!("{e:?}"))
-        .and_then(|values| {
-            group
-                .all_reduce(values, ReduceOp::Sum, timeout)
-                .map_err(|e| e.to_string())
-        });
-    if let Err(detail) = summed {
-        // Forward and backward passes cannot return errors; the group is aborted already, so
-        // every other rank stops too.
-        panic!("SyncBatchNorm: {detail}");
+    let summed = match data.as_mut_slice::<f32>() {
+        Ok(values) => group.all_reduce(values, ReduceOp::Sum, timeout),
+        Err(e) => Err(crate::DdpError::InvalidConfig(format!(
+            "SyncBatchNorm: statistics are not f32: {e:?}"
+        ))),
+    };
+    if let Err(err) = summed {
+        raise(err);
     }
     Tensor::<B, 1>::from_data(data.convert_dtype(dtype), &device)
         .into_primitive()
@@ -98,6 +109,10 @@ pub trait SyncBatchNormBackend: Backend {
     fn sync_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
+#[cfg_attr(
+    not(any(feature = "ndarray", feature = "flex", feature = "cuda")),
+    allow(unused_macros)
+)]
 macro_rules! host_backend {
     ($($backend:ty),*) => {$(
         impl SyncBatchNormBackend for $backend {
@@ -108,7 +123,10 @@ macro_rules! host_backend {
     )*};
 }
 
-host_backend!(burn::backend::NdArray, burn::backend::Flex);
+#[cfg(feature = "ndarray")]
+host_backend!(burn::backend::NdArray);
+#[cfg(feature = "flex")]
+host_backend!(burn::backend::Flex);
 #[cfg(feature = "cuda")]
 host_backend!(burn::backend::Cuda);
 
@@ -195,6 +213,7 @@ impl<B: SyncBatchNormBackend> SyncBatchNorm<B> {
             let var = self.running_var.value().to_device(&device);
             return self.normalize(input, mean.reshape(per_channel), var.reshape(per_channel));
         }
+        USED.with(|used| used.set(true));
         let local: usize = dims
             .iter()
             .enumerate()
@@ -266,8 +285,14 @@ fn global_count(local: usize) -> u64 {
         None => local as u64,
         Some((group, timeout)) => match group.all_gather(&[local as u64], timeout) {
             Ok(counts) => counts.iter().sum(),
-            // See `host_sync_sum`: the group is aborted, every rank stops.
-            Err(e) => panic!("SyncBatchNorm: {e}"),
+            Err(err) => raise(err),
         },
     }
+}
+
+/// Forward and backward passes cannot return errors: a failed collective unwinds with the
+/// [`DdpError`](crate::DdpError) itself as the panic payload, which `DdpStrategy` turns back into
+/// the error. The group is aborted already, so every other rank stops too.
+fn raise(err: crate::DdpError) -> ! {
+    std::panic::panic_any(err)
 }

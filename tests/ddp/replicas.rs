@@ -172,6 +172,25 @@ fn a_drifting_replica_is_named_by_the_consistency_check() {
 }
 
 #[test]
+fn the_consistency_check_counts_steps_across_epochs() {
+    // 3 steps per epoch and a check every 5 steps: the first check falls in the second epoch
+    // (a per-epoch counter would never reach 5).
+    let mut run = Run::new(Some(2), 16, 3 * 16);
+    run.epochs = 2;
+    run.config = DdpConfig::default().with_consistency_check_every(5);
+    let model = materialized(Drifting {
+        inner: Mlp::new(&device()),
+    });
+    match run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err() {
+        DdpError::ReplicasDiverged { step, ranks, .. } => {
+            assert_eq!(step, 5, "the check after the 5th step, the 2nd of epoch 2");
+            assert_eq!(ranks, vec![1]);
+        }
+        other => panic!("expected ReplicasDiverged, got {other}"),
+    }
+}
+
+#[test]
 fn the_start_up_broadcast_is_bit_exact_for_f64_models() {
     type B64 = burn::backend::Autodiff<burn::backend::NdArray<f64>>;
     let groups = ThreadGroup::new_group(2).unwrap();

@@ -55,6 +55,39 @@ impl<B: Backend> InferenceStep for NanOnRank1<B> {
     }
 }
 
+/// The BatchNorm CNN with the same NaN batch on rank 1: its forward pass writes NaN into the
+/// replica's running statistics.
+#[derive(Module, Debug)]
+pub struct NanBnOnRank1<B: Backend> {
+    inner: BnCnn<B>,
+}
+
+impl<B: AutodiffBackend> TrainStep for NanBnOnRank1<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let n = BATCHES.with(|b| {
+            b.set(b.get() + 1);
+            b.get()
+        });
+        let mut batch = batch;
+        if n == 3 && std::thread::current().name() == Some("burn-ddp-rank-1") {
+            batch.inputs = batch.inputs.mul_scalar(f32::NAN);
+        }
+        TrainStep::step(&self.inner, batch)
+    }
+}
+
+impl<B: Backend> InferenceStep for NanBnOnRank1<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
 fn nan_run(policy: NonFinite) -> Result<burn_ddp_tests::Trained, DdpError> {
     let model = materialized(NanOnRank1 {
         inner: Mlp::new(&device()),
@@ -119,6 +152,14 @@ fn global_norm_clipping_matches_the_single_replica_run_and_changes_the_result() 
 /// Trains the BatchNorm CNN as two "processes": threads of this test, each with its own model
 /// (so they do not share Burn's RunningState) and a TcpGroup over loopback.
 fn two_process_run(buffers: BufferSync) -> Vec<Result<burn_ddp_tests::Trained, DdpError>> {
+    two_process_run_of(buffers, false)
+}
+
+/// [`two_process_run`] of the BatchNorm CNN, or (`nan`) of [`NanBnOnRank1`].
+fn two_process_run_of(
+    buffers: BufferSync,
+    nan: bool,
+) -> Vec<Result<burn_ddp_tests::Trained, DdpError>> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -149,12 +190,13 @@ fn two_process_run(buffers: BufferSync) -> Vec<Result<burn_ddp_tests::Trained, D
                     run.config = DdpConfig::default()
                         .with_buffer_sync(buffers)
                         .with_consistency_check_every(1);
-                    run_training(
-                        materialized(BnCnn::new(&device())),
-                        SgdConfig::new().init(),
-                        0.05,
-                        &run,
-                    )
+                    let model = materialized(BnCnn::new(&device()));
+                    if nan {
+                        let model = NanBnOnRank1 { inner: model };
+                        run_training(model, SgdConfig::new().init(), 0.05, &run)
+                    } else {
+                        run_training(model, SgdConfig::new().init(), 0.05, &run)
+                    }
                 })
             })
             .collect();
@@ -170,6 +212,27 @@ fn buffers_stay_identical_across_processes_by_averaging_or_broadcast() {
         let (rank1, _) = results[1].as_ref().unwrap();
         assert_eq!(rank0, rank1, "{mode:?}: the replicas differ");
     }
+}
+
+#[test]
+fn a_skipped_step_also_rolls_back_the_running_statistics() {
+    // Rank 1's NaN batch poisons its BatchNorm statistics during the forward pass; the step is
+    // skipped, and the statistics must be restored, or averaging spreads the NaN to every rank.
+    let results = two_process_run_of(BufferSync::Average, true);
+    let (rank0, report) = results[0].as_ref().unwrap();
+    let (rank1, _) = results[1].as_ref().unwrap();
+    assert_eq!(rank0, rank1, "the replicas differ");
+    assert_eq!(
+        rank0.len(),
+        8,
+        "conv, norm (with its 2 running statistics) and fc"
+    );
+    assert!(
+        rank0.iter().flatten().all(|v| v.is_finite()),
+        "a NaN reached the parameters or the running statistics"
+    );
+    let report = report.as_ref().unwrap();
+    assert_eq!(report.epochs[0].steps, 9, "10 batches, one step skipped");
 }
 
 #[test]
@@ -270,6 +333,28 @@ fn join_mode_with_11_samples_2_ranks_batch_5_equals_single_device_training() {
     .unwrap();
     let report = report.unwrap();
     assert_eq!((report.ranks[0].batches, report.ranks[1].batches), (2, 2));
+}
+
+#[test]
+fn join_weights_unequal_partial_batches_by_their_samples() {
+    // 11 samples, 2 ranks, 4 per rank: the second step has 2 samples on rank 0 and 1 on rank 1,
+    // weighted 2/3 and 1/3. The reference: one device with batches of 8 and 3.
+    let model = materialized(Mlp::new(&device()));
+    let (single, _) = run_training(
+        model.clone(),
+        SgdConfig::new().init(),
+        0.2,
+        &Run::new(None, 8, 11),
+    )
+    .unwrap();
+    let mut run = Run::new(Some(2), 8, 11);
+    run.config = DdpConfig::default().with_uneven_inputs(UnevenInputs::Join);
+    let (joined, report) = run_training(model, SgdConfig::new().init(), 0.2, &run).unwrap();
+    let diff = max_relative_difference(&joined, &single);
+    assert!(diff <= 1e-5, "join differs from one device by {diff}");
+    let report = report.unwrap();
+    assert_eq!((report.ranks[0].batches, report.ranks[1].batches), (2, 2));
+    assert_eq!(report.epochs[0].samples, 11);
 }
 
 #[test]

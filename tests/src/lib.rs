@@ -396,8 +396,8 @@ pub struct Run {
     /// burn-train's artifact directory: checkpoints go to `<dir>/checkpoint` (atomic, full
     /// precision) and the DDP state next to them.
     pub artifacts: Option<std::path::PathBuf>,
-    /// Resume after the checkpoint of this epoch (burn-train's `checkpoint`, and the loader's
-    /// `with_epoch`).
+    /// Resume after the checkpoint of this epoch (burn-train's `checkpoint`; the loader follows
+    /// burn-train's epoch by itself).
     pub resume_after: Option<usize>,
 }
 
@@ -494,8 +494,9 @@ where
             sampler,
             run.global_batch / world_size,
             device,
-        )?
-        .with_epoch(run.resume_after.unwrap_or(0) as u64),
+        )?,
+        // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows burn-train's
+        // epoch, which `checkpoint(epoch)` sets.
     );
     let valid_sampler = DistributedSampler::new(valid.len(), 1)?.without_shuffle();
     let valid_loader: Arc<dyn DataLoader<NdArray, <M::InnerModule as InferenceStep>::Input>> =

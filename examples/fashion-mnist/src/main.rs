@@ -268,9 +268,8 @@ fn train<B: AutodiffBackend>(
             args.batch_size / world_size,
             device.clone(),
         )
-        .map_err(|e| e.to_string())?
-        // burn-train's epoch k uses sampler epoch k - 1: resume with the order of the next one.
-        .with_epoch(resume_from.unwrap_or(0) as u64),
+        // No `with_epoch` on resume: under DdpStrategy the loader follows burn-train's epoch.
+        .map_err(|e| e.to_string())?,
     );
     let test_loader = DataLoaderBuilder::new(FashionBatcher)
         .batch_size(256)
