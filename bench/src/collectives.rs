@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Distribution, Tensor, TensorData};
 use burn_ddp::topology::{Topology, TopologySource};
 use burn_ddp::{
     DdpConfig, ProcessGroup, ReduceOp, Reducer, ReplicaLayout, TcpGroup, TcpGroupOptions,
@@ -84,11 +84,11 @@ fn time_together(
     mut f: impl FnMut() -> Duration,
 ) -> f64 {
     let first = f().as_secs_f64().max(1e-7);
-    let wanted = (budget.as_secs_f64() / first).clamp(3.0, 200.0) as u64;
+    let wanted = (budget.as_secs_f64() / first).clamp(5.0, 200.0) as u64;
     let count = group
         .all_gather(&[wanted], Duration::from_secs(600))
-        .map(|all| all.into_iter().min().unwrap_or(3))
-        .unwrap_or(3);
+        .map(|all| all.into_iter().min().unwrap_or(5))
+        .unwrap_or(5);
     let samples: Vec<f64> = (0..count).map(|_| f().as_secs_f64()).collect();
     median(&samples)
 }
@@ -213,6 +213,14 @@ pub fn memcpy_sweep(sizes: &[usize], budget: Duration) -> Vec<MemcpyPoint> {
         .collect()
 }
 
+/// Per size, the faster of two memcpy sweeps over the same sizes.
+pub fn best_of(a: Vec<MemcpyPoint>, b: Vec<MemcpyPoint>) -> Vec<MemcpyPoint> {
+    a.into_iter()
+        .zip(b)
+        .map(|(a, b)| if b.gbps > a.gbps { b } else { a })
+        .collect()
+}
+
 /// One bucket cap's cost of synchronising a model's gradients.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BucketPoint {
@@ -226,28 +234,48 @@ pub struct BucketPoint {
     pub buckets: usize,
     /// Median time of one gradient synchronisation (flatten, all-reduce, unflatten), ms.
     pub milliseconds: f64,
+    /// Mean split of one synchronisation on rank 0, ms: gradients into buckets, all-reduce,
+    /// buckets back into gradients (the reducer's own counters).
+    pub split_ms: [f64; 3],
 }
 
-/// The gradients' shapes of a model.
-fn parameters(kind: ModelKind) -> Vec<(ParamId, Vec<usize>)> {
+/// The layout of a new model of `kind` (its parameter ids are new too).
+fn layout(kind: ModelKind) -> ReplicaLayout {
     let device = Default::default();
-    let layout = match kind {
+    match kind {
         ModelKind::Cnn => ReplicaLayout::of(&fashion_mnist::model::Cnn::<B>::new(&device)),
         ModelKind::Mlp => ReplicaLayout::of(&BigMlp::<B>::new(&device)),
-    };
+    }
+}
+
+/// The ids and shapes of a layout's parameters.
+fn parameters(layout: &ReplicaLayout) -> Vec<(ParamId, Vec<usize>)> {
     layout
         .parameters()
         .map(|spec| (spec.id, spec.shape.clone()))
         .collect()
 }
 
-/// Random gradients of those shapes (on the inner backend, as burn-train hands them over).
-fn gradients(params: &[(ParamId, Vec<usize>)]) -> GradientsParams {
+/// Random values for gradients of those shapes, made once (drawing 5.8 M random numbers takes
+/// longer than the synchronisation being timed).
+fn gradient_values(params: &[(ParamId, Vec<usize>)]) -> Vec<TensorData> {
+    let device = Default::default();
+    params
+        .iter()
+        .map(|(_, shape)| {
+            let numel: usize = shape.iter().product();
+            Tensor::<Inner, 1>::random([numel], Distribution::Default, &device).into_data()
+        })
+        .collect()
+}
+
+/// Fresh gradients with `values` (on the inner backend, as burn-train hands them over: each
+/// tensor owns its storage).
+fn gradients(params: &[(ParamId, Vec<usize>)], values: &[TensorData]) -> GradientsParams {
     let device = Default::default();
     let mut grads = GradientsParams::new();
-    for (id, shape) in params {
-        let numel: usize = shape.iter().product();
-        let flat = Tensor::<Inner, 1>::random([numel], Distribution::Default, &device);
+    for ((id, shape), data) in params.iter().zip(values) {
+        let flat = Tensor::<Inner, 1>::from_data(data.clone(), &device);
         match shape.len() {
             1 => grads.register::<Inner, 1>(*id, flat),
             2 => grads.register::<Inner, 2>(*id, flat.reshape([shape[0], shape[1]])),
@@ -266,18 +294,14 @@ pub fn bucket_sweep(
     caps_mib: &[usize],
     budget: Duration,
 ) -> Vec<BucketPoint> {
-    let params = parameters(kind);
-    let model = match kind {
-        ModelKind::Cnn => {
-            ReplicaLayout::of(&fashion_mnist::model::Cnn::<B>::new(&Default::default()))
-        }
-        ModelKind::Mlp => ReplicaLayout::of(&BigMlp::<B>::new(&Default::default())),
-    };
+    // The gradients must carry the layout's parameter ids, or the reducer finds none of them.
+    let model = layout(kind);
+    let params = parameters(&model);
     // `None`: a cap of one byte closes a bucket after every parameter.
     let caps: Vec<Option<usize>> = std::iter::once(None)
         .chain(caps_mib.iter().map(|mib| Some(mib << 20)))
         .collect();
-    let results: Vec<Vec<(usize, f64)>> = with_group(group, 2, |group| {
+    let results: Vec<Vec<(usize, f64, [f64; 3])>> = with_group(group, 2, |group| {
         caps.iter()
             .map(|cap| {
                 let bytes = cap.unwrap_or(1);
@@ -285,16 +309,38 @@ pub fn bucket_sweep(
                     .with_bucket_cap_bytes(bytes)
                     .with_first_bucket_cap_bytes(bytes);
                 let Ok(mut reducer) = Reducer::new(group.clone(), &model, &config) else {
-                    return (0, f64::NAN);
+                    return (0, f64::NAN, [f64::NAN; 3]);
                 };
                 let buckets = reducer.layout().buckets().len();
+                let values = gradient_values(&params);
                 let seconds = time_together(group.as_ref(), budget, || {
-                    let grads = gradients(&params);
+                    let grads = gradients(&params, &values);
+                    // Start together, or one rank's timing includes the other's preparation.
+                    let _ = group.barrier(Duration::from_secs(600));
                     let started = Instant::now();
-                    let _ = reducer.reduce::<Inner>(grads, &Default::default());
-                    started.elapsed()
+                    let reduced = reducer.reduce::<Inner>(grads, &Default::default());
+                    let elapsed = started.elapsed();
+                    match &reduced {
+                        Err(e) => eprintln!("ddp-bench: bucket sweep: {e}"),
+                        Ok(g) if g.len() != params.len() => eprintln!(
+                            "ddp-bench: bucket sweep: {} of {} gradients came back",
+                            g.len(),
+                            params.len()
+                        ),
+                        Ok(_) => {}
+                    }
+                    // Freed outside the timing, as burn-train frees gradients after the step.
+                    drop(reduced);
+                    elapsed
                 });
-                (buckets, seconds)
+                let stats = reducer.stats();
+                let per_step = |d: Duration| d.as_secs_f64() * 1e3 / stats.steps.max(1) as f64;
+                let split = [
+                    per_step(stats.flatten),
+                    per_step(stats.all_reduce),
+                    per_step(stats.unflatten),
+                ];
+                (buckets, seconds, split)
             })
             .collect()
     });
@@ -306,13 +352,14 @@ pub fn bucket_sweep(
             cap_bytes: *cap,
             buckets: results.first().map_or(0, |r| r[i].0),
             milliseconds: results.iter().map(|r| r[i].1).fold(0.0, f64::max) * 1e3,
+            split_ms: results.first().map_or([f64::NAN; 3], |r| r[i].2),
         })
         .collect()
 }
 
 /// Gradient bytes per step of a model (`f32`).
 pub fn gradient_bytes(kind: ModelKind) -> usize {
-    parameters(kind)
+    parameters(&layout(kind))
         .iter()
         .map(|(_, shape)| shape.iter().product::<usize>() * 4)
         .sum()

@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: burn-ddp against the data-parallel options a Burn user already has,
 //! measured side by side in one run.
 //!
-//! - training throughput of the Fashion-MNIST CNN and a communication-heavy MLP (5.8 M
+//! - training throughput of the Fashion-MNIST CNN and a communication-heavy MLP (5.7 M
 //!   parameters) at the same global batch: plain Burn on one device, Burn's `MultiDevice`,
 //!   burn-ddp with threads (world size 1 and 2, and 4 with `--long`) and with processes over
 //!   `TcpGroup` (2); samples/s is the median of timed windows after a warm-up;
@@ -35,7 +35,7 @@ use crate::training::{Plan, Strategy, Throughput};
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
-    /// Longer timed windows, world size 4 with threads, bigger collective budgets.
+    /// Longer timed windows, 5 rounds, world size 4 with threads, bigger collective budgets.
     #[arg(long)]
     long: bool,
     /// Directory for bench.json, bench.md and the SVG plots.
@@ -47,6 +47,41 @@ struct Cli {
     /// Skip the all-reduce and bucket sweeps.
     #[arg(long)]
     skip_collectives: bool,
+    /// Models to train, comma-separated: `cnn`, `mlp` (default: both).
+    #[arg(long, value_delimiter = ',', value_parser = parse_model)]
+    models: Vec<ModelKind>,
+    /// Strategies, comma-separated: `single`, `multi-device-N`, `threads-N`, `processes-N`
+    /// (default: single, multi-device-2, threads-1, threads-2, processes-2, and threads-4 with
+    /// `--long`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_strategy)]
+    strategies: Vec<Strategy>,
+    /// Repeat the throughput runs this many times, interleaved (A B A B ...), and report the
+    /// median over every round's windows: the comparison then shares the machine's drifts.
+    /// (Default 3, or 5 with `--long`.)
+    #[arg(long)]
+    rounds: Option<usize>,
+}
+
+fn parse_model(s: &str) -> Result<ModelKind, String> {
+    ModelKind::parse(s).ok_or_else(|| format!("unknown model `{s}` (cnn, mlp)"))
+}
+
+fn parse_strategy(s: &str) -> Result<Strategy, String> {
+    let (family, n) = s.rsplit_once('-').unwrap_or((s, "1"));
+    let n: usize = n
+        .parse()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("`{s}`: the world size after `-` must be a positive number"))?;
+    match family {
+        "single" => Ok(Strategy::Single),
+        "multi-device" => Ok(Strategy::BurnMultiDevice(n)),
+        "threads" => Ok(Strategy::DdpThreads(n)),
+        "processes" => Ok(Strategy::DdpProcesses(n)),
+        _ => Err(format!(
+            "unknown strategy `{s}` (single, multi-device-N, threads-N, processes-N)"
+        )),
+    }
 }
 
 #[derive(Subcommand)]
@@ -148,6 +183,7 @@ fn processes(kind: ModelKind, n: usize, plan: &Plan) -> Throughput {
         strategy: Strategy::DdpProcesses(n),
         windows: Vec::new(),
         samples_per_second: 0.0,
+        round_medians: Vec::new(),
         split: None,
         note: Some(note),
     };
@@ -196,46 +232,67 @@ fn bench(cli: &Cli) -> Results {
             global_batch: 64,
             warmup_steps: 3,
             window_steps: 5,
-            windows: 3,
+            windows: 4,
         }
     };
+    let round_count = cli.rounds.unwrap_or(if cli.long { 5 } else { 3 }).max(1);
     let mut results = Results {
         machine: format!(
-            "{} CPU threads, Flex backend, global batch {}, {} warm-up steps + {} windows of {} steps",
-            threads, plan.global_batch, plan.warmup_steps, plan.windows, plan.window_steps
+            "{} CPU threads, Flex backend, global batch {}, {} warm-up steps + {} windows of {} steps, {} round(s) interleaved",
+            threads,
+            plan.global_batch,
+            plan.warmup_steps,
+            plan.windows,
+            plan.window_steps,
+            round_count
         ),
         links: links(),
         ..Results::default()
     };
-    let mut strategies = vec![
-        Strategy::Single,
-        Strategy::BurnMultiDevice(2),
-        Strategy::DdpThreads(1),
-        Strategy::DdpThreads(2),
-        Strategy::DdpProcesses(2),
-    ];
-    if cli.long {
-        strategies.push(Strategy::DdpThreads(4));
-    }
-    if !cli.skip_training {
-        for kind in [ModelKind::Cnn, ModelKind::Mlp] {
-            for &strategy in &strategies {
-                eprintln!(
-                    "training {} with {} (N = {})",
-                    kind.name(),
-                    strategy.family(),
-                    strategy.world_size()
-                );
-                let result = match strategy {
-                    Strategy::DdpProcesses(n) => processes(kind, n, &plan),
-                    _ => training::run(kind, strategy, &plan, None),
-                };
-                eprintln!("  {:.1} samples/s", result.samples_per_second);
-                results.throughput.push(result);
-            }
+    let mut strategies = cli.strategies.clone();
+    if strategies.is_empty() {
+        strategies = vec![
+            Strategy::Single,
+            Strategy::BurnMultiDevice(2),
+            Strategy::DdpThreads(1),
+            Strategy::DdpThreads(2),
+            Strategy::DdpProcesses(2),
+        ];
+        if cli.long {
+            strategies.push(Strategy::DdpThreads(4));
         }
     }
-    for kind in [ModelKind::Cnn, ModelKind::Mlp] {
+    let models = if cli.models.is_empty() {
+        vec![ModelKind::Cnn, ModelKind::Mlp]
+    } else {
+        cli.models.clone()
+    };
+    if !cli.skip_training {
+        for &kind in &models {
+            let mut rounds: Vec<Vec<Throughput>> = vec![Vec::new(); strategies.len()];
+            for round in 0..round_count {
+                for (i, &strategy) in strategies.iter().enumerate() {
+                    eprintln!(
+                        "training {} with {} (N = {}), round {}",
+                        kind.name(),
+                        strategy.family(),
+                        strategy.world_size(),
+                        round + 1
+                    );
+                    let result = match strategy {
+                        Strategy::DdpProcesses(n) => processes(kind, n, &plan),
+                        _ => training::run(kind, strategy, &plan, None),
+                    };
+                    eprintln!("  {:.1} samples/s", result.samples_per_second);
+                    rounds[i].push(result);
+                }
+            }
+            results
+                .throughput
+                .extend(rounds.into_iter().filter_map(training::merge_rounds));
+        }
+    }
+    for &kind in &models {
         results
             .gradient_bytes
             .push((kind, collectives::gradient_bytes(kind)));
@@ -244,14 +301,19 @@ fn bench(cli: &Cli) -> Results {
         let budget = Duration::from_millis(if cli.long { 1000 } else { 300 });
         let sizes: Vec<usize> = (0..9).map(|i| 4096usize << (2 * i)).collect();
         eprintln!("memcpy sweep");
-        results.memcpy = collectives::memcpy_sweep(&sizes, budget);
+        let before = collectives::memcpy_sweep(&sizes, budget);
         for group in [GroupKind::Threads, GroupKind::Tcp] {
             eprintln!("all-reduce sweep: {}", group.name());
             results
                 .all_reduce
                 .extend(collectives::all_reduce_sweep(group, 2, &sizes, budget));
         }
-        for kind in [ModelKind::Cnn, ModelKind::Mlp] {
+        // The roof is the better of two sweeps, before and after the all-reduces: the machine's
+        // drift then lowers the ratios rather than raising them.
+        eprintln!("memcpy sweep, again");
+        let after = collectives::memcpy_sweep(&sizes, budget);
+        results.memcpy = collectives::best_of(before, after);
+        for &kind in &models {
             for group in [GroupKind::Threads, GroupKind::Tcp] {
                 eprintln!("bucket sweep: {} on {}", kind.name(), group.name());
                 results.buckets.extend(collectives::bucket_sweep(

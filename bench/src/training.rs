@@ -109,6 +109,9 @@ pub struct Throughput {
     pub windows: Vec<f64>,
     /// Their median.
     pub samples_per_second: f64,
+    /// The median of each round's windows, in round order (one entry per round).
+    #[serde(default)]
+    pub round_medians: Vec<f64>,
     /// Rank 0's step split, for burn-ddp runs.
     pub split: Option<StepSplit>,
     /// Why the run has no figure (when it failed or does not apply).
@@ -295,6 +298,7 @@ where
         model: kind,
         strategy,
         samples_per_second: median(&windows),
+        round_medians: vec![median(&windows)],
         note: windows
             .is_empty()
             .then(|| "no complete window was timed".to_string()),
@@ -303,12 +307,29 @@ where
     }
 }
 
+/// One result from several rounds of the same run: the windows of every round, their median,
+/// and the step split of the first round that has one. `None` for no rounds.
+pub fn merge_rounds(rounds: Vec<Throughput>) -> Option<Throughput> {
+    let mut merged = rounds.first()?.clone();
+    merged.windows = rounds.iter().flat_map(|r| r.windows.clone()).collect();
+    merged.samples_per_second = median(&merged.windows);
+    merged.round_medians = rounds.iter().map(|r| r.samples_per_second).collect();
+    merged.split = rounds.iter().find_map(|r| r.split.clone());
+    merged.note = if merged.windows.is_empty() {
+        rounds.iter().find_map(|r| r.note.clone())
+    } else {
+        None
+    };
+    Some(merged)
+}
+
 fn failed(model: ModelKind, strategy: Strategy, note: String) -> Throughput {
     Throughput {
         model,
         strategy,
         windows: Vec::new(),
         samples_per_second: 0.0,
+        round_medians: Vec::new(),
         split: None,
         note: Some(note),
     }

@@ -7,9 +7,13 @@
 //!   cap, so a parameter larger than the cap gets a bucket of its own;
 //! - the layout depends only on shapes and order, so it is the same on every rank (checked at
 //!   start-up by [`ReplicaLayout::verify_across`]);
-//! - each step, each bucket's gradients are flattened into **one contiguous `f32` tensor on the
-//!   rank's device**, all-reduced with [`ReduceOp::Avg`] (sum in rank order, divided by the world
-//!   size), and split back into [`GradientsParams`].
+//! - each step, each bucket's gradients are copied into **one contiguous `f32` host buffer that
+//!   lives as long as the reducer** (PyTorch keeps its bucket tensors too), all-reduced with
+//!   [`ReduceOp::Avg`] (sum in rank order, divided by the world size), and copied back into the
+//!   gradients' own storage. A persistent buffer matters on the CPU: a fresh bucket-sized
+//!   allocation every step is returned to the system and faulted in again, which cost more than
+//!   the all-reduce itself (`cargo xtask bench`, bucket sweep). On backends whose `into_data` and
+//!   `from_data` move the storage (Flex, NdArray), a step allocates nothing.
 //!
 //! A parameter that got no gradient on a rank (unused in that rank's forward pass) contributes
 //! zeros. Each bucket carries one extra element per parameter, 1.0 where the rank has a gradient,
@@ -125,6 +129,9 @@ pub struct Reducer {
     layout: BucketLayout,
     timeout: Duration,
     stats: CommStats,
+    /// One host buffer per bucket (its gradients, then one presence flag per parameter),
+    /// allocated at the first multi-rank step and reused: `4 * (numel + params)` bytes each.
+    buffers: Vec<Vec<f32>>,
 }
 
 impl Reducer {
@@ -154,6 +161,7 @@ impl Reducer {
             layout,
             timeout: config.timeout(),
             stats: CommStats::default(),
+            buffers: Vec::new(),
         })
     }
 
@@ -179,7 +187,7 @@ impl Reducer {
 
     /// Replaces every parameter's gradient in `grads` by its average over all ranks. `B` is the
     /// backend the gradients live on (the inner backend of the autodiff backend), `device` the
-    /// rank's device, where the buckets are built. Gradients of tensors that are not parameters of
+    /// rank's device, where the reduced gradients are put. Gradients of tensors that are not parameters of
     /// the layout are returned untouched.
     ///
     /// With a world size of 1 the gradients are returned as they are (the average of one rank).
@@ -226,45 +234,78 @@ impl Reducer {
         }
         let mut grads = grads.unwrap_or_default();
         let rank = self.group.rank();
+        if self.buffers.len() != self.layout.buckets.len() {
+            self.buffers = self
+                .layout
+                .buckets
+                .iter()
+                .map(|b| vec![0.0; b.numel + b.params.len()])
+                .collect();
+        }
         let mut local_non_finite = false;
-        let mut reduced = Vec::with_capacity(self.layout.buckets.len());
+        // Each present gradient's own host data, refilled with the reduced values afterwards.
+        let mut storage: Vec<Vec<Option<TensorData>>> =
+            Vec::with_capacity(self.layout.buckets.len());
         for (bucket_index, bucket) in self.layout.buckets.iter().enumerate() {
             let started = Instant::now();
-            let mut parts = Vec::with_capacity(bucket.params.len() + 1);
-            let mut present = Vec::with_capacity(bucket.params.len());
-            for &p in &bucket.params {
+            let buffer = &mut self.buffers[bucket_index];
+            let mut datas = Vec::with_capacity(bucket.params.len());
+            for (j, &p) in bucket.params.iter().enumerate() {
                 let spec = &self.params[p];
-                let grad = take_flat::<B>(&mut grads, spec).map_err(|detail| {
+                let range = bucket.offsets[j]..bucket.offsets[j] + spec.numel();
+                let fail = |detail: String| {
                     let err = DdpError::Bucket {
                         rank,
                         bucket: bucket_index,
                         detail,
                     };
+                    // The peers must not wait for this rank's all-reduce.
                     self.group.abort(&err.to_string());
                     err
-                })?;
-                present.push(if grad.is_some() { 1.0f32 } else { 0.0 });
-                parts.push(grad.unwrap_or_else(|| Tensor::zeros([spec.numel()], device)));
+                };
+                let data = match take_flat::<B>(&mut grads, spec).map_err(fail)? {
+                    Some(grad) => {
+                        let data = grad.into_data().convert::<f32>();
+                        let values = data.as_slice::<f32>().map_err(|e| {
+                            fail(format!(
+                                "gradient of `{}` is not readable as f32: {e:?}",
+                                spec.path
+                            ))
+                        })?;
+                        if values.len() != range.len() {
+                            return Err(fail(format!(
+                                "gradient of `{}` has {} values, the parameter {}",
+                                spec.path,
+                                values.len(),
+                                range.len()
+                            )));
+                        }
+                        buffer[range].copy_from_slice(values);
+                        buffer[bucket.numel + j] = 1.0;
+                        Some(data)
+                    }
+                    None => {
+                        buffer[range].fill(0.0);
+                        buffer[bucket.numel + j] = 0.0;
+                        None
+                    }
+                };
+                datas.push(data);
             }
-            let flags = present.len();
-            parts.push(Tensor::from_data(TensorData::new(present, [flags]), device));
-            let mut data = self.bucket_data(Tensor::cat(parts, 0), bucket, bucket_index)?;
-            let values = f32_slice(&mut data);
             let flattened = Instant::now();
+            let values = &mut buffer[..bucket.numel];
             if options.check_finite {
-                local_non_finite |= values[..bucket.numel].iter().any(|v| !v.is_finite());
+                local_non_finite |= values.iter().any(|v| !v.is_finite());
             }
             if options.weight != 1.0 {
-                values[..bucket.numel]
-                    .iter_mut()
-                    .for_each(|v| *v *= options.weight);
+                values.iter_mut().for_each(|v| *v *= options.weight);
             }
-            self.group.all_reduce(values, options.op, self.timeout)?;
+            self.group.all_reduce(buffer, options.op, self.timeout)?;
             self.stats.flatten += flattened - started;
             self.stats.all_reduce += flattened.elapsed();
             self.stats.buckets += 1;
-            self.stats.bytes += (bucket.numel + flags) * ELEMENT_BYTES;
-            reduced.push(data);
+            self.stats.bytes += buffer.len() * ELEMENT_BYTES;
+            storage.push(datas);
         }
         self.stats.steps += 1;
 
@@ -273,13 +314,15 @@ impl Reducer {
             local_non_finite,
             ..ReduceOutcome::plain(GradientsParams::new())
         };
-        if options.check_finite {
-            outcome.non_finite = self
-                .layout
+        let reduced = || {
+            self.layout
                 .buckets
                 .iter()
-                .zip(&reduced)
-                .any(|(bucket, data)| grad_values(data, bucket).iter().any(|v| !v.is_finite()));
+                .zip(&self.buffers)
+                .map(|(bucket, buffer)| &buffer[..bucket.numel])
+        };
+        if options.check_finite {
+            outcome.non_finite = reduced().any(|values| values.iter().any(|v| !v.is_finite()));
             if outcome.non_finite {
                 return Ok(outcome);
             }
@@ -288,13 +331,9 @@ impl Reducer {
         if let Some(max_norm) = options.clip_norm {
             // torch.nn.utils.clip_grad_norm_: the 2-norm over all gradients, accumulated in f64
             // in bucket order (the same order, so the same norm, on every rank).
-            let sum_sq: f64 = self
-                .layout
-                .buckets
-                .iter()
-                .zip(&reduced)
-                .map(|(bucket, data)| {
-                    grad_values(data, bucket)
+            let sum_sq: f64 = reduced()
+                .map(|values| {
+                    values
                         .iter()
                         .map(|&v| f64::from(v) * f64::from(v))
                         .sum::<f64>()
@@ -308,21 +347,35 @@ impl Reducer {
                 outcome.clip_scale = Some(scale);
             }
         }
-        for (bucket, mut data) in self.layout.buckets.iter().zip(reduced) {
-            let values = f32_slice(&mut data);
-            let presence = values[bucket.numel..].to_vec();
-            if scale != 1.0 {
-                values[..bucket.numel].iter_mut().for_each(|v| *v *= scale);
-            }
-            let flat = Tensor::<B, 1>::from_data(data, device);
-            for (j, &p) in bucket.params.iter().enumerate() {
-                if presence[j] <= 0.0 {
+        let buckets = self.layout.buckets.iter().zip(&self.buffers).zip(storage);
+        for (bucket_index, ((bucket, buffer), datas)) in buckets.enumerate() {
+            for ((j, &p), data) in bucket.params.iter().enumerate().zip(datas) {
+                // The flag's all-reduce: positive when any rank had a gradient.
+                if buffer[bucket.numel + j] <= 0.0 {
                     continue;
                 }
                 let spec = &self.params[p];
-                let offset = bucket.offsets[j];
-                let grad = flat.clone().slice(offset..offset + spec.numel());
-                register_shaped::<B>(&mut grads, spec, grad);
+                let source = &buffer[bucket.offsets[j]..bucket.offsets[j] + spec.numel()];
+                // This rank's own gradient storage when it had one (no allocation), else new.
+                let mut data = data
+                    .unwrap_or_else(|| TensorData::new(vec![0.0f32; spec.numel()], [spec.numel()]));
+                // Readable as f32 above, so writable now; an error here would leave this rank
+                // with other gradients than its peers, so it is reported, never skipped.
+                let target = data.as_mut_slice::<f32>().map_err(|e| DdpError::Bucket {
+                    rank,
+                    bucket: bucket_index,
+                    detail: format!("cannot write the reduced `{}`: {e:?}", spec.path),
+                })?;
+                if scale == 1.0 {
+                    target.copy_from_slice(source);
+                } else {
+                    target
+                        .iter_mut()
+                        .zip(source)
+                        .for_each(|(t, &s)| *t = s * scale);
+                }
+                let flat = Tensor::<B, 1>::from_data(data, device);
+                register_shaped::<B>(&mut grads, spec, flat);
             }
         }
         self.stats.unflatten += started.elapsed();
@@ -387,51 +440,6 @@ impl Reducer {
         outcome.grads = grads;
         outcome
     }
-
-    /// A flat bucket (gradients followed by presence flags) as host `f32` data of the expected
-    /// length.
-    fn bucket_data<B: Backend>(
-        &self,
-        flat: Tensor<B, 1>,
-        bucket: &Bucket,
-        bucket_index: usize,
-    ) -> Result<TensorData> {
-        let rank = self.group.rank();
-        let fail = |detail: String| {
-            let err = DdpError::Bucket {
-                rank,
-                bucket: bucket_index,
-                detail,
-            };
-            // The peers must not wait for this rank's all-reduce.
-            self.group.abort(&err.to_string());
-            err
-        };
-        let mut data = flat.into_data().convert::<f32>();
-        let len = data
-            .as_mut_slice::<f32>()
-            .map_err(|e| fail(format!("flat bucket is not a contiguous f32 buffer: {e:?}")))?
-            .len();
-        let expected = bucket.numel + bucket.params.len();
-        if len != expected {
-            return Err(fail(format!(
-                "flat bucket has {len} elements, the layout expects {expected}"
-            )));
-        }
-        Ok(data)
-    }
-}
-
-/// The gradient values of a reduced bucket (without its presence flags), borrowed.
-fn grad_values<'a>(data: &'a TensorData, bucket: &Bucket) -> &'a [f32] {
-    data.as_slice::<f32>()
-        .map(|v| &v[..bucket.numel])
-        .unwrap_or_default()
-}
-
-/// The `f32` values of data that [`Reducer::bucket_data`] checked to be `f32`.
-fn f32_slice(data: &mut TensorData) -> &mut [f32] {
-    data.as_mut_slice::<f32>().unwrap_or_default()
 }
 
 /// How [`Reducer::reduce_with`] combines the ranks' gradients.

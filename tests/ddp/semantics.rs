@@ -168,7 +168,10 @@ fn two_process_run_of(
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
-                s.spawn(move || {
+                // Named like burn-ddp's rank threads: one rank per process trains on the calling
+                // thread, and the NaN fixture picks rank 1 by its thread's name.
+                let thread = std::thread::Builder::new().name(format!("burn-ddp-rank-{rank}"));
+                let spawned = thread.spawn_scoped(s, move || {
                     let topology = Topology {
                         rank,
                         world_size: 2,
@@ -197,7 +200,8 @@ fn two_process_run_of(
                     } else {
                         run_training(model, SgdConfig::new().init(), 0.05, &run)
                     }
-                })
+                });
+                spawned.unwrap()
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()

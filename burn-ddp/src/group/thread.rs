@@ -7,17 +7,18 @@
 //! directly on its peers' buffers, which stay alive because their owners are parked in the same
 //! collective:
 //!
-//! - all-reduce (reduce-scatter + all-gather, like a ring but through memory): rank `r` reduces
-//!   chunk `r` of every rank's buffer, adding in the order `r, r+1, ..., r-1` (mod N, the order a
-//!   ring all-reduce gives, so [`TcpGroup`](super::TcpGroup) computes the same bits), and writes
-//!   the result into its own buffer; after a second barrier every rank copies the other chunks from their
-//!   owners. Each element is computed once, so all ranks hold the same bits, and the reduction
-//!   work is spread over all ranks' cores.
+//! - all-reduce (reduce-scatter and all-gather fused, through memory): rank `r` reduces chunk `r`
+//!   of every rank's buffer, adding in the order `r, r+1, ..., r-1` (mod N, the order a ring
+//!   all-reduce gives, so [`TcpGroup`](super::TcpGroup) computes the same bits), and writes the
+//!   result into chunk `r` of every rank's buffer, block by block. Each element is computed once,
+//!   so all ranks hold the same bits; the work is spread over all ranks' cores, and each rank
+//!   moves as many bytes as one memcpy of the buffer (S in, S out).
 //! - broadcast: non-root ranks copy the root's buffer.
 //! - all-gather: every rank copies every rank's values.
 //!
 //! A rank only leaves a collective early (timeout, peer left, abort) once no peer is still
-//! reading its buffer (the `busy` count), so no buffer is read after its owner returned.
+//! reading or writing its buffer (the `busy` count), so no buffer is touched after its owner
+//! returned.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -373,20 +374,16 @@ fn withdraw(st: &mut State, rank: usize) {
 /// Number of elements reduced per block: small enough to stay in L1 (8 KiB of `f32`).
 const BLOCK: usize = 2048;
 
-/// Reduces `range` of every rank's buffer into `own`, adding the ranks in the order
-/// `first, first + 1, ..., first - 1` (mod N): the order in which a ring all-reduce sums chunk
-/// `first`, so [`TcpGroup`](super::TcpGroup) gives the same bits.
+/// Reduces `range` of every rank's buffer and writes the result into `range` of every buffer,
+/// block by block, adding the ranks in the order `first, first + 1, ..., first - 1` (mod N): the
+/// order in which a ring all-reduce sums chunk `first`, so [`TcpGroup`](super::TcpGroup) gives the
+/// same bits. Each block is read from every buffer before it is written to any, so the caller's
+/// own buffer may be among `addrs`.
 ///
 /// # Safety
 /// Every address in `addrs` points to a live `f32` buffer of at least `range.end` elements, and no
-/// other thread writes `range` of any of them, nor reads `range` of `own`, during the call.
-unsafe fn reduce_range(
-    addrs: &[usize],
-    first: usize,
-    own: *mut f32,
-    range: std::ops::Range<usize>,
-    op: ReduceOp,
-) {
+/// other thread reads or writes `range` of any of them during the call.
+unsafe fn reduce_range(addrs: &[usize], first: usize, range: std::ops::Range<usize>, op: ReduceOp) {
     let n = addrs.len();
     let order: Vec<usize> = (0..n).map(|i| addrs[(first + i) % n]).collect();
     let mut acc = [0f32; BLOCK];
@@ -413,9 +410,13 @@ unsafe fn reduce_range(
                 *a /= divisor;
             }
         }
-        // SAFETY: `own[start..start + len]` is only touched by this thread in this phase.
-        unsafe {
-            std::slice::from_raw_parts_mut(own.add(start), len).copy_from_slice(acc);
+        for &addr in addrs {
+            // SAFETY: `range` of every buffer is only touched by this thread in this phase, and
+            // this block of it has been read above.
+            unsafe {
+                std::slice::from_raw_parts_mut((addr as *mut f32).add(start), len)
+                    .copy_from_slice(acc);
+            }
         }
         start += len;
     }
@@ -448,30 +449,14 @@ impl ProcessGroup for ThreadGroup {
         let addrs = Self::peer_addrs(&st);
         drop(st);
 
-        // Reduce-scatter: this rank owns chunk `rank`.
+        // One data phase: this rank reduces chunk `rank` of every buffer and writes the result
+        // into chunk `rank` of every buffer (reduce-scatter and all-gather fused). Each rank
+        // moves S/N elements in and S/N out per buffer: 2S in all, like one memcpy of the
+        // bucket, where a separate all-gather phase would add another S/N copy per peer.
         // SAFETY: all ranks posted buffers of `len` elements (checked by `post_and_match`) and are
-        // parked in this collective until the last barrier; in this phase rank `r` reads chunk `r`
-        // of every buffer and writes chunk `r` of its own only.
-        unsafe { reduce_range(&addrs, self.rank, own, chunk_range(len, n, self.rank), op) };
-        self.end_phase(call, Next::Data)?;
-
-        // All-gather: copy every other chunk from its owner.
-        for (peer, &addr) in addrs.iter().enumerate() {
-            if peer == self.rank {
-                continue;
-            }
-            let range = chunk_range(len, n, peer);
-            // SAFETY: chunk `peer` of rank `peer`'s buffer is final and nobody writes it in this
-            // phase; this rank writes only chunks it does not own in its own buffer, which no peer
-            // reads in this phase.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (addr as *const f32).add(range.start),
-                    own.add(range.start),
-                    range.len(),
-                );
-            }
-        }
+        // parked in this collective until the barrier that ends this phase; in it rank `r` reads
+        // and writes chunk `r` of every buffer only, and the chunks do not overlap.
+        unsafe { reduce_range(&addrs, self.rank, chunk_range(len, n, self.rank), op) };
         self.end_phase(call, Next::Local)
     }
 
