@@ -4,6 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::group::DEFAULT_TIMEOUT;
+use crate::nccl::GradientCompression;
 use crate::{DdpError, Result};
 
 /// Size cap of a gradient bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.
@@ -42,6 +43,7 @@ pub struct DdpConfig {
     buffer_sync: BufferSync,
     uneven_inputs: UnevenInputs,
     checkpoint_dir: Option<std::path::PathBuf>,
+    gradient_compression: GradientCompression,
 }
 
 /// What to do when the gradients of a step hold NaN or infinity (on any rank). The check runs on
@@ -102,6 +104,7 @@ impl Default for DdpConfig {
             buffer_sync: BufferSync::default(),
             uneven_inputs: UnevenInputs::default(),
             checkpoint_dir: None,
+            gradient_compression: GradientCompression::None,
         }
     }
 }
@@ -225,26 +228,43 @@ impl DdpConfig {
         self.bucket_cap_bytes
     }
 
+    /// The dtype gradient buckets travel in (default [`GradientCompression::None`], `f32`).
+    pub fn gradient_compression(&self) -> GradientCompression {
+        self.gradient_compression
+    }
+
     /// First bucket's cap in bytes.
     pub fn first_bucket_cap_bytes(&self) -> usize {
         self.first_bucket_cap_bytes
     }
 
     /// A hash of the settings that every rank must share (bucket caps, clipping, non-finite
-    /// policy, uneven inputs, buffer sync), compared across ranks at start-up.
+    /// policy, uneven inputs, buffer sync, gradient compression), compared across ranks at start-up.
     pub fn semantics_fingerprint(&self) -> u64 {
         let text = format!(
-            "{} {} {:?} {:?} {:?} {:?}",
+            "{} {} {:?} {:?} {:?} {:?} {:?}",
             self.bucket_cap_bytes,
             self.first_bucket_cap_bytes,
             self.clip_grad_norm.map(f32::to_bits),
             self.non_finite,
             self.uneven_inputs,
-            self.buffer_sync
+            self.buffer_sync,
+            self.gradient_compression
         );
         text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
             (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
         })
+    }
+
+    /// Sends gradient buckets as `bf16` or `f16` (half the bytes), like PyTorch DDP's
+    /// `bf16_compress_hook`: averaging divides by the world size in `f32` first, so the result
+    /// matches the `f32` average within the 16-bit format's rounding (see
+    /// [`nccl::compress`](crate::nccl::compress)). It applies where buckets are reduced in
+    /// device memory (the NCCL group of CUDA devices); the CPU process groups reduce `f32`
+    /// buffers on the host and ignore it. Every rank must use the same setting.
+    pub fn with_gradient_compression(mut self, compression: GradientCompression) -> Self {
+        self.gradient_compression = compression;
+        self
     }
 
     /// Checks the values.
@@ -291,6 +311,11 @@ impl fmt::Display for DdpConfig {
         }
         if self.uneven_inputs == UnevenInputs::Join {
             f.write_str(", join uneven inputs")?;
+        }
+        match self.gradient_compression {
+            GradientCompression::None => {}
+            GradientCompression::Bf16 => f.write_str(", bf16 gradients")?,
+            GradientCompression::F16 => f.write_str(", f16 gradients")?,
         }
         if self.consistency_check_every > 0 {
             write!(

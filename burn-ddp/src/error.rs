@@ -249,6 +249,34 @@ pub enum DdpError {
     /// A configuration value or argument is invalid (names the value and why).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+
+    /// A shared library loaded at run time (NCCL, the CUDA driver) could not be opened.
+    #[error("cannot load {library}: tried {} ({detail}); {hint}", searched.join(", "))]
+    LibraryNotFound {
+        /// What was looked for, e.g. "NCCL".
+        library: String,
+        /// Every name and path tried, in order.
+        searched: Vec<String>,
+        /// The dynamic loader's message for the last one.
+        detail: String,
+        /// How to fix it.
+        hint: String,
+    },
+
+    /// An NCCL or CUDA call failed, or a device buffer does not fit the collective.
+    #[error("{op} #{seq} on rank {rank}: {code}: {detail}")]
+    Nccl {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The operation: a collective, or the setup step (e.g. "ncclCommInitRankConfig").
+        op: String,
+        /// The collective's sequence number (0 for setup steps).
+        seq: u64,
+        /// The NCCL result or CUDA error name, e.g. "ncclInvalidUsage".
+        code: String,
+        /// What it means and what to check.
+        detail: String,
+    },
 }
 
 impl DdpError {
@@ -268,8 +296,10 @@ impl DdpError {
             | DdpError::Bucket { rank, .. }
             | DdpError::Rendezvous { rank, .. }
             | DdpError::Connect { rank, .. }
-            | DdpError::WorkerExited { rank, .. } => Some(*rank),
+            | DdpError::WorkerExited { rank, .. }
+            | DdpError::Nccl { rank, .. } => Some(*rank),
             DdpError::InvalidConfig(_)
+            | DdpError::LibraryNotFound { .. }
             | DdpError::Topology(_)
             | DdpError::Store { .. }
             | DdpError::Launch(_)
@@ -287,6 +317,8 @@ impl DdpError {
 /// "rank 1" or "ranks 1, 2".
 fn describe_ranks(ranks: &[usize]) -> String {
     match ranks {
+        // NCCL does not say which peer is late.
+        [] => "a peer".to_string(),
         [one] => format!("rank {one}"),
         many => format!(
             "ranks {}",

@@ -28,6 +28,7 @@ pub mod group;
 pub mod launch;
 pub mod lr;
 pub mod metrics;
+pub mod nccl;
 pub mod reducer;
 pub mod rendezvous;
 pub mod replica;

@@ -20,16 +20,25 @@
 //! so after the all-reduce every rank knows whether any rank had one: a parameter without a
 //! gradient on every rank is left out of the result, exactly as single-device training would leave
 //! it out of the optimizer step.
+//!
+//! With a process group that reduces device tensors ([`NcclGroup`](crate::nccl::NcclGroup), on
+//! CUDA), the bucket is a **device tensor** instead: the gradients (and the presence flags) are
+//! concatenated on the device, optionally compressed to `bf16`/`f16`
+//! ([`DdpConfig::with_gradient_compression`]), all-reduced in place in GPU memory, and sliced
+//! back into gradients, with no trip through the host. The flags and the NaN/norm checks come
+//! back to the host together, one small read per step.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::metrics::CommStats;
+use crate::nccl::GradientCompression;
+use crate::nccl::compress::{compress, decompress};
 use crate::replica::{ReplicaLayout, TensorSpec};
 use crate::{DdpConfig, DdpError, Result};
 
@@ -132,6 +141,8 @@ pub struct Reducer {
     /// One host buffer per bucket (its gradients, then one presence flag per parameter),
     /// allocated at the first multi-rank step and reused: `4 * (numel + params)` bytes each.
     buffers: Vec<Vec<f32>>,
+    /// The dtype of device buckets on the wire.
+    compression: GradientCompression,
 }
 
 impl Reducer {
@@ -162,6 +173,7 @@ impl Reducer {
             timeout: config.timeout(),
             stats: CommStats::default(),
             buffers: Vec::new(),
+            compression: config.gradient_compression(),
         })
     }
 
@@ -231,6 +243,9 @@ impl Reducer {
             // run on the device, one scalar per parameter.
             self.stats.steps += 1;
             return Ok(self.local_checks::<B>(grads, options));
+        }
+        if self.group.reduces_device_tensors() {
+            return self.reduce_on_device::<B>(grads, device, options);
         }
         let mut grads = grads.unwrap_or_default();
         let rank = self.group.rank();
@@ -375,6 +390,175 @@ impl Reducer {
                         .for_each(|(t, &s)| *t = s * scale);
                 }
                 let flat = Tensor::<B, 1>::from_data(data, device);
+                register_shaped::<B>(&mut grads, spec, flat);
+            }
+        }
+        self.stats.unflatten += started.elapsed();
+        outcome.grads = grads;
+        Ok(outcome)
+    }
+
+    /// [`reduce_with`](Self::reduce_with) with buckets in device memory, for groups that
+    /// [reduce device tensors](ProcessGroup::reduces_device_tensors).
+    fn reduce_on_device<B: Backend>(
+        &mut self,
+        grads: Option<GradientsParams>,
+        device: &B::Device,
+        options: &ReduceOptions,
+    ) -> Result<ReduceOutcome> {
+        let mut grads = grads.unwrap_or_default();
+        let rank = self.group.rank();
+        let world_size = self.group.world_size();
+        let mut reduced: Vec<Tensor<B, 1>> = Vec::with_capacity(self.layout.buckets.len());
+        let mut local_sums: Vec<Tensor<B, 1>> = Vec::new();
+        for (bucket_index, bucket) in self.layout.buckets.iter().enumerate() {
+            let started = Instant::now();
+            let fail = |detail: String| {
+                let err = DdpError::Bucket {
+                    rank,
+                    bucket: bucket_index,
+                    detail,
+                };
+                self.group.abort(&err.to_string());
+                err
+            };
+            let mut parts: Vec<Tensor<B, 1>> = Vec::with_capacity(bucket.params.len() + 1);
+            let mut flags = Vec::with_capacity(bucket.params.len());
+            for &p in &bucket.params {
+                let spec = &self.params[p];
+                match take_flat::<B>(&mut grads, spec).map_err(fail)? {
+                    Some(grad) => {
+                        parts.push(grad);
+                        flags.push(1.0f32);
+                    }
+                    None => {
+                        parts.push(Tensor::zeros([spec.numel()], device));
+                        flags.push(0.0);
+                    }
+                }
+            }
+            let count = flags.len();
+            parts.push(Tensor::from_data(TensorData::new(flags, [count]), device));
+            let mut flat = Tensor::cat(parts, 0);
+            if options.check_finite {
+                local_sums.push(flat.clone().slice(0..bucket.numel).sum());
+            }
+            if options.weight != 1.0 {
+                flat = flat.mul_scalar(options.weight);
+            }
+            let (wire, wire_op) = compress(flat, options.op, world_size, self.compression);
+            let mut primitive = wire.into_primitive().tensor();
+            let flattened = Instant::now();
+            if !self
+                .group
+                .all_reduce_device(&mut primitive, wire_op, self.timeout)?
+            {
+                return Err(fail(format!(
+                    "the {} process group reduces device tensors, but not this backend's; \
+                     use CUDA devices with it",
+                    self.group.backend()
+                )));
+            }
+            let wire = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(primitive));
+            reduced.push(decompress(wire, self.compression));
+            self.stats.flatten += flattened - started;
+            self.stats.all_reduce += flattened.elapsed();
+            self.stats.buckets += 1;
+            self.stats.bytes += (bucket.numel + count) * self.compression.element_bytes();
+        }
+        self.stats.steps += 1;
+
+        let started = Instant::now();
+        // One read for the flags and checks: [flags of every bucket | per-bucket sums | per-bucket
+        // sums of squares | this rank's per-bucket sums before the all-reduce].
+        let buckets = self.layout.buckets.len();
+        let mut probe: Vec<Tensor<B, 1>> = self
+            .layout
+            .buckets
+            .iter()
+            .zip(&reduced)
+            .map(|(b, r)| r.clone().slice(b.numel..b.numel + b.params.len()))
+            .collect();
+        let values = |r: &Tensor<B, 1>, b: &Bucket| r.clone().slice(0..b.numel);
+        if options.check_finite {
+            probe.extend(
+                self.layout
+                    .buckets
+                    .iter()
+                    .zip(&reduced)
+                    .map(|(b, r)| values(r, b).sum()),
+            );
+        }
+        if options.clip_norm.is_some() {
+            probe.extend(
+                self.layout
+                    .buckets
+                    .iter()
+                    .zip(&reduced)
+                    .map(|(b, r)| values(r, b).powf_scalar(2.0).sum()),
+            );
+        }
+        let flag_count: usize = self.layout.buckets.iter().map(|b| b.params.len()).sum();
+        probe.extend(local_sums);
+        let host: Vec<f32> = Tensor::cat(probe, 0)
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .map_err(|e| DdpError::Bucket {
+                rank,
+                bucket: 0,
+                detail: format!("cannot read the reduced flags back: {e:?}"),
+            })?;
+        let (flags, mut rest) = host.split_at(flag_count);
+        // The sums come from identical buckets, but a device reduction need not be
+        // deterministic: averaging them across ranks makes every rank take the same decision.
+        let mut checks: Vec<f32> = Vec::new();
+        let mut outcome = ReduceOutcome::plain(GradientsParams::new());
+        if options.check_finite {
+            checks.extend_from_slice(&rest[..buckets]);
+            rest = &rest[buckets..];
+        }
+        if options.clip_norm.is_some() {
+            checks.extend_from_slice(&rest[..buckets]);
+            rest = &rest[buckets..];
+        }
+        if options.check_finite {
+            outcome.local_non_finite = rest.iter().any(|v| !v.is_finite());
+        }
+        if !checks.is_empty() {
+            self.group
+                .all_reduce(&mut checks, ReduceOp::Avg, self.timeout)?;
+        }
+        let (sums, squares) = checks.split_at(if options.check_finite { buckets } else { 0 });
+        if options.check_finite && sums.iter().any(|v| !v.is_finite()) {
+            outcome.non_finite = true;
+            return Ok(outcome);
+        }
+        let mut scale = 1.0f32;
+        if let Some(max_norm) = options.clip_norm {
+            let norm = squares.iter().map(|&v| f64::from(v)).sum::<f64>().sqrt();
+            outcome.grad_norm = Some(norm);
+            let coefficient = f64::from(max_norm) / (norm + 1e-6);
+            if coefficient < 1.0 {
+                scale = coefficient as f32;
+                outcome.clip_scale = Some(scale);
+            }
+        }
+        let mut flags = flags.iter();
+        for (bucket, reduced) in self.layout.buckets.iter().zip(reduced) {
+            let reduced = if scale == 1.0 {
+                reduced
+            } else {
+                reduced.mul_scalar(scale)
+            };
+            for (j, &p) in bucket.params.iter().enumerate() {
+                // The flag's all-reduce: positive when any rank had a gradient.
+                if flags.next().is_none_or(|&f| f <= 0.0) {
+                    continue;
+                }
+                let spec = &self.params[p];
+                let start = bucket.offsets[j];
+                let flat = reduced.clone().slice(start..start + spec.numel());
                 register_shaped::<B>(&mut grads, spec, flat);
             }
         }
@@ -608,6 +792,223 @@ mod tests {
             // Below the threshold nothing changes (and no scale is reported).
             let (w, b, norm, scale) = clipped(inputs, 10.0);
             assert_eq!((w, b, norm, scale), (3.0, 4.0, Some(5.0), None));
+        }
+    }
+
+    /// A process group that takes the reducer's device path (NCCL's) on the CPU: it "reduces
+    /// device tensors" by reading Flex tensors to the host, all-reducing them with a
+    /// [`ThreadGroup`] in `f32`, and putting the result back in the tensor's dtype.
+    struct DeviceStaged(ThreadGroup);
+
+    type Dev = burn::backend::Flex;
+    type AutodiffDev = burn::backend::Autodiff<Dev>;
+
+    impl ProcessGroup for DeviceStaged {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.0.world_size()
+        }
+        fn backend(&self) -> &'static str {
+            "staged"
+        }
+        fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()> {
+            self.0.all_reduce(bucket, op, timeout)
+        }
+        fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
+            self.0.broadcast(buffer, root, timeout)
+        }
+        fn barrier(&self, timeout: Duration) -> Result<()> {
+            self.0.barrier(timeout)
+        }
+        fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>> {
+            self.0.all_gather(values, timeout)
+        }
+        fn abort(&self, reason: &str) {
+            self.0.abort(reason)
+        }
+        fn reduces_device_tensors(&self) -> bool {
+            true
+        }
+        fn all_reduce_device(
+            &self,
+            tensor: &mut dyn std::any::Any,
+            op: ReduceOp,
+            timeout: Duration,
+        ) -> Result<bool> {
+            let Some(primitive) = tensor.downcast_mut::<burn::tensor::ops::FloatTensor<Dev>>()
+            else {
+                return Ok(false);
+            };
+            let bucket =
+                Tensor::<Dev, 1>::from_primitive(TensorPrimitive::Float(primitive.clone()));
+            let dtype = bucket.dtype();
+            let mut values = bucket.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+            self.0.all_reduce(&mut values, op, timeout)?;
+            let len = values.len();
+            let data = TensorData::new(values, [len]).convert_dtype(dtype);
+            *primitive = Tensor::<Dev, 1>::from_data(data, &Default::default())
+                .into_primitive()
+                .tensor();
+            Ok(true)
+        }
+    }
+
+    /// Rank `rank`'s gradients for `layer` (weight `[3, 2]`, bias `[2]`): distinct values on
+    /// every element; rank 1 has no bias gradient; `nan` puts a NaN in rank 1's weight.
+    fn device_grads(layer: &Linear<AutodiffDev>, rank: usize, nan: bool) -> GradientsParams {
+        let device = Default::default();
+        let mut grads = GradientsParams::new();
+        let mut w: Vec<f32> = (0..6)
+            .map(|i| (i as f32 + 1.0) * 0.37 * if rank == 0 { 1.0 } else { -2.5 })
+            .collect();
+        if nan && rank == 1 {
+            w[3] = f32::NAN;
+        }
+        let weight = Tensor::<Dev, 2>::from_data(TensorData::new(w, [3, 2]), &device);
+        grads.register::<Dev, 2>(layer.weight.id, weight);
+        if rank == 0 {
+            let bias = layer.bias.as_ref().unwrap().id;
+            grads.register::<Dev, 1>(bias, Tensor::from_data([1.25, -3.5], &device));
+        }
+        grads
+    }
+
+    /// Rank 0's and rank 1's outcomes of one reduce over 2 ranks, through the device path
+    /// (`staged`) or the host path.
+    fn reduce_two(
+        staged: bool,
+        config: &DdpConfig,
+        options: &ReduceOptions,
+        nan: bool,
+    ) -> Vec<(Vec<f32>, Option<Vec<f32>>, ReduceOutcome)> {
+        let layer: Linear<AutodiffDev> = LinearConfig::new(3, 2).init(&Default::default());
+        let layout = ReplicaLayout::of(&layer);
+        let groups = ThreadGroup::new_group(2).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .enumerate()
+                .map(|(rank, group)| {
+                    let (layer, layout) = (&layer, &layout);
+                    s.spawn(move || {
+                        let group: Arc<dyn ProcessGroup> = if staged {
+                            Arc::new(DeviceStaged(group))
+                        } else {
+                            Arc::new(group)
+                        };
+                        let mut reducer = Reducer::new(group, layout, config).unwrap();
+                        let grads = device_grads(layer, rank, nan);
+                        let outcome = reducer
+                            .reduce_with::<Dev>(Some(grads), &Default::default(), options)
+                            .unwrap();
+                        let weight = outcome
+                            .grads
+                            .get::<Dev, 2>(layer.weight.id)
+                            .map(|w| w.into_data().to_vec::<f32>().unwrap())
+                            .unwrap_or_default();
+                        let bias = outcome
+                            .grads
+                            .get::<Dev, 1>(layer.bias.as_ref().unwrap().id)
+                            .map(|b| b.into_data().to_vec::<f32>().unwrap());
+                        (weight, bias, outcome)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn device_buckets_reduce_exactly_like_host_buckets() {
+        let config = DdpConfig::default();
+        for options in [
+            ReduceOptions::default(),
+            ReduceOptions {
+                clip_norm: Some(1.0),
+                check_finite: true,
+                ..ReduceOptions::default()
+            },
+            ReduceOptions {
+                weight: 0.25,
+                op: ReduceOp::Sum,
+                ..ReduceOptions::default()
+            },
+        ] {
+            let host = reduce_two(false, &config, &options, false);
+            let device = reduce_two(true, &config, &options, false);
+            for rank in 0..2 {
+                let (hw, hb, ho) = &host[rank];
+                let (dw, db, d_o) = &device[rank];
+                assert_eq!(hw.len(), 6);
+                assert_eq!(dw, hw, "weight, rank {rank}, {options:?}");
+                // Rank 1 had no bias gradient, but rank 0 did: every rank gets the average.
+                assert_eq!(db, hb, "bias, rank {rank}, {options:?}");
+                assert!(db.is_some());
+                assert_eq!(d_o.non_finite, ho.non_finite);
+                match (d_o.grad_norm, ho.grad_norm) {
+                    (Some(d), Some(h)) => assert!((d - h).abs() <= 1e-6 * h, "{d} vs {h}"),
+                    (d, h) => assert_eq!(d, h),
+                }
+                assert_eq!(d_o.clip_scale.is_some(), ho.clip_scale.is_some());
+            }
+            // Both ranks hold the same result.
+            assert_eq!(device[0].0, device[1].0);
+        }
+    }
+
+    #[test]
+    fn device_buckets_report_nan_on_every_rank() {
+        let options = ReduceOptions {
+            check_finite: true,
+            ..ReduceOptions::default()
+        };
+        let outcomes = reduce_two(true, &DdpConfig::default(), &options, true);
+        for (rank, (weight, bias, outcome)) in outcomes.iter().enumerate() {
+            assert!(outcome.non_finite, "rank {rank}");
+            assert_eq!(outcome.local_non_finite, rank == 1, "rank {rank}");
+            assert!(
+                weight.is_empty() && bias.is_none(),
+                "the step must be skipped"
+            );
+        }
+    }
+
+    #[test]
+    fn compressed_device_buckets_match_f32_within_16_bit_rounding() {
+        let options = ReduceOptions::default();
+        let exact = reduce_two(false, &DdpConfig::default(), &options, false);
+        for (compression, epsilon) in [
+            (GradientCompression::Bf16, 2f32.powi(-8)),
+            (GradientCompression::F16, 2f32.powi(-11)),
+        ] {
+            let config = DdpConfig::default().with_gradient_compression(compression);
+            let compressed = reduce_two(true, &config, &options, false);
+            let (ew, eb, _) = &exact[0];
+            let (cw, cb, _) = &compressed[0];
+            let values = |w: &Vec<f32>, b: &Option<Vec<f32>>| {
+                w.iter()
+                    .chain(b.iter().flatten())
+                    .copied()
+                    .collect::<Vec<f32>>()
+            };
+            let (e, c) = (values(ew, eb), values(cw, cb));
+            assert_eq!(e.len(), 8);
+            let mut differs = false;
+            for (e, c) in e.iter().zip(&c) {
+                // Two roundings (each rank's cast, then the sum's): 2 ulp of the 16-bit format.
+                assert!(
+                    (e - c).abs() <= 2.0 * epsilon * e.abs(),
+                    "{compression:?}: {c} vs {e}"
+                );
+                differs |= e != c;
+            }
+            assert!(
+                differs,
+                "{compression:?}: the values went through a 16-bit format"
+            );
+            assert_eq!(compressed[0].0, compressed[1].0);
         }
     }
 

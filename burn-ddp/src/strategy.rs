@@ -631,6 +631,8 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
         report: &mut RankReport,
         model_out: &mut Option<TrainingModel<LC>>,
     ) -> Result<()> {
+        // CUDA replicas reduce with NCCL, in GPU memory (the host group bootstraps it).
+        self.group = crate::nccl::group_for_device(self.group.clone(), &self.device, &self.config)?;
         // SyncBatchNorm layers synchronise with this rank's group.
         let _current =
             crate::sync_bn::enter_process_group(self.group.clone(), self.config.timeout());

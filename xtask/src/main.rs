@@ -4,6 +4,9 @@
 //! - `cargo xtask example fashion-mnist [--features cuda] -- [ARGS]`: builds the example in
 //!   release mode and runs it with ARGS.
 //! - `cargo xtask bench [-- --long --out DIR]`: the benchmark, in release mode.
+//! - `cargo xtask gpu-check [--out DIR]`: builds the Fashion-MNIST example with CUDA (release,
+//!   stripped) and writes it to DIR (default `target/gpu-check`) with `run.sh`, the script that
+//!   runs the GPU checks on a machine with a GPU and no Rust toolchain (see README).
 //! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
 //!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
 //!   example's name (`fashion-mnist`), builds it too and runs that binary.
@@ -26,6 +29,13 @@ enum Task {
         /// Arguments for the benchmark, after `--` (e.g. `--long`, `--out DIR`).
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Prepare the GPU checks: a stripped release build of the example with CUDA, and the script
+    /// that runs `fashion-mnist gpu-check` on the GPU machine.
+    GpuCheck {
+        /// Directory for the binary and the script.
+        #[arg(long, default_value = "target/gpu-check")]
+        out: std::path::PathBuf,
     },
     /// Build an example in release mode and run it.
     Example {
@@ -56,6 +66,7 @@ fn main() -> ExitCode {
                 .args(&args);
             run(cargo)
         }
+        Task::GpuCheck { out } => gpu_check(&out),
         Task::Example {
             name,
             features,
@@ -75,6 +86,93 @@ fn main() -> ExitCode {
             }
             cargo.arg("--").args(&args);
             run(cargo)
+        }
+    }
+}
+
+/// The script that runs on the GPU machine, beside the binary.
+const GPU_CHECK_SCRIPT: &str = r#"#!/usr/bin/env bash
+# burn-ddp GPU checks (written by `cargo xtask gpu-check`). Runs beside the `fashion-mnist`
+# binary on a machine with an NVIDIA GPU; needs no Rust toolchain and no network. Prints one JSON
+# summary and writes it to $OUT/gpu-check.json (or ./gpu-check.json).
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-$here}"
+# NCCL: the nvidia-nccl-cu* wheel that PyTorch installs, unless BURN_DDP_NCCL_LIB is set.
+if [ -z "${BURN_DDP_NCCL_LIB:-}" ]; then
+  dir="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
+  if [ -n "$dir" ] && [ -f "$dir/lib/libnccl.so.2" ]; then
+    export BURN_DDP_NCCL_LIB="$dir/lib/libnccl.so.2"
+  fi
+fi
+echo "NCCL: ${BURN_DDP_NCCL_LIB:-<dynamic linker search>}" >&2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
+# Fashion-MNIST when installed, else synthetic images of the same shape (the check measures
+# step times, not accuracy).
+data=/usr/share/datasets/fashion-mnist
+if [ ! -f "$data/train-images-idx3-ubyte.gz" ]; then
+  data=/tmp/burn-ddp-gpu-check-data
+  python3 - "$data" <<'PY'
+import os, struct, sys
+d = sys.argv[1]
+os.makedirs(d, exist_ok=True)
+for prefix, n in (("train", 60000), ("t10k", 10000)):
+    with open(os.path.join(d, prefix + "-images-idx3-ubyte"), "wb") as f:
+        f.write(struct.pack(">IIII", 0x803, n, 28, 28) + os.urandom(n * 784))
+    with open(os.path.join(d, prefix + "-labels-idx1-ubyte"), "wb") as f:
+        f.write(struct.pack(">II", 0x801, n) + bytes(i % 10 for i in range(n)))
+PY
+  echo "data: synthetic ($data)" >&2
+fi
+"$here/fashion-mnist" gpu-check --data "$data" "$@" | tee "$out/gpu-check.json"
+exit "${PIPESTATUS[0]}"
+"#;
+
+fn gpu_check(out: &std::path::Path) -> ExitCode {
+    let mut build = cargo();
+    build.args([
+        "build",
+        "--release",
+        "--package",
+        "fashion-mnist",
+        "--features",
+        "cuda",
+    ]);
+    if run(build) != ExitCode::SUCCESS {
+        return ExitCode::FAILURE;
+    }
+    let written = (|| -> std::io::Result<u64> {
+        std::fs::create_dir_all(out)?;
+        let binary = out.join("fashion-mnist");
+        std::fs::copy(target_dir().join("release/fashion-mnist"), &binary)?;
+        // Keep what travels small: symbols are not needed there.
+        let stripped = Command::new("strip").arg(&binary).status();
+        if !stripped.is_ok_and(|s| s.success()) {
+            eprintln!("warning: `strip` failed or is missing; the binary travels unstripped");
+        }
+        let script = out.join("run.sh");
+        std::fs::write(&script, GPU_CHECK_SCRIPT)?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
+        }
+        Ok(std::fs::metadata(&binary)?.len())
+    })();
+    match written {
+        Ok(bytes) => {
+            println!(
+                "GPU check ready in {}: fashion-mnist ({:.1} MiB) and run.sh.
+                 On the GPU machine: bash {}/run.sh   (prints and writes gpu-check.json)",
+                out.display(),
+                bytes as f64 / (1024.0 * 1024.0),
+                out.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: cannot write {}: {e}", out.display());
+            ExitCode::FAILURE
         }
     }
 }

@@ -162,6 +162,41 @@ pub trait ProcessGroup: Send + Sync {
     /// when it fails outside a collective (an error in its data or model), so its peers do not
     /// wait for the timeout. Aborting twice keeps the first reason.
     fn abort(&self, reason: &str);
+
+    /// Why the group was aborted (by this rank or, where the transport tells, by a peer), if it
+    /// has been. Device collectives poll it while they wait, so an abort reaches them before
+    /// their timeout. Default: `None` (the group does not say).
+    fn aborted(&self) -> Option<String> {
+        None
+    }
+
+    /// Whether [`all_reduce_device`](ProcessGroup::all_reduce_device) takes device tensors; the
+    /// [`Reducer`](crate::Reducer) then builds its buckets in device memory instead of host
+    /// buffers. Default: `false` (the CPU groups reduce host buffers).
+    fn reduces_device_tensors(&self) -> bool {
+        false
+    }
+
+    /// Reduces `tensor`, a flat bucket in device memory, in place, like
+    /// [`all_reduce`](ProcessGroup::all_reduce). `tensor` is the backend's float tensor primitive
+    /// (`B::FloatTensorPrimitive`, e.g. a `CubeTensor` or a `FusionTensor` of burn-cuda) of
+    /// shape `[len]`, the same `len` and dtype on every rank.
+    ///
+    /// Returns `Ok(false)`, without communicating, when the group cannot reduce that kind of
+    /// tensor (the default for every group).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](ProcessGroup::all_reduce); [`Nccl`](crate::DdpError::Nccl) for a failed
+    /// NCCL or CUDA call or a buffer that does not fit (not contiguous, unsupported dtype).
+    fn all_reduce_device(
+        &self,
+        tensor: &mut dyn std::any::Any,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<bool> {
+        let _ = (tensor, op, timeout);
+        Ok(false)
+    }
 }
 
 /// Splits `len` elements into `parts` contiguous chunks whose sizes differ by at most one; returns

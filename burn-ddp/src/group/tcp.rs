@@ -798,6 +798,10 @@ impl ProcessGroup for TcpGroup {
             call,
         );
     }
+
+    fn aborted(&self) -> Option<String> {
+        lock(&self.aborted).clone()
+    }
 }
 
 impl TcpGroup {

@@ -527,6 +527,10 @@ impl ProcessGroup for ThreadGroup {
         );
         self.shared.changed.notify_all();
     }
+
+    fn aborted(&self) -> Option<String> {
+        self.lock().aborted.clone()
+    }
 }
 
 impl Drop for ThreadGroup {

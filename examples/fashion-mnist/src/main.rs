@@ -6,6 +6,8 @@
 //! `--workers 1` trains with plain Burn on one device, the reference. Under the launcher
 //! (`burn-ddp run --nproc-per-node N -- fashion-mnist ...`) each process is one replica.
 
+#[cfg(feature = "cuda")]
+mod gpu_check;
 mod printer;
 
 use std::path::{Path, PathBuf};
@@ -34,10 +36,15 @@ use fashion_mnist::model::Cnn;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// Replicas (one thread each on CPU, one per GPU on CUDA); 1 trains with plain Burn. Under
-    /// `burn-ddp run` (RANK and WORLD_SIZE set) each process is one replica and this is ignored.
-    #[arg(long, default_value_t = 2)]
-    workers: usize,
+    /// Replicas (one thread each on CPU, one per GPU on CUDA); 1 trains with plain Burn. Default:
+    /// 2 on CPU, every visible GPU on CUDA. Under `burn-ddp run` (RANK and WORLD_SIZE set) each
+    /// process is one replica and this is ignored.
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Train through burn-ddp's DdpStrategy even with one replica (to measure its overhead
+    /// against plain Burn, which `--workers 1` uses otherwise).
+    #[arg(long)]
+    ddp: bool,
     /// Epochs over the training set.
     #[arg(long, default_value_t = 2)]
     epochs: usize,
@@ -99,6 +106,11 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    // `fashion-mnist gpu-check`: the GPU checks of `cargo xtask gpu-check` (one binary ships).
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    if raw.first().map(String::as_str) == Some("gpu-check") {
+        return gpu_check(&raw[1..]);
+    }
     let args = Args::parse();
     match run_with_backend(&args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -107,6 +119,24 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_check(args: &[String]) -> ExitCode {
+    match gpu_check::run(args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_check(_args: &[String]) -> ExitCode {
+    eprintln!("error: {NO_CUDA}");
+    ExitCode::FAILURE
 }
 
 /// Where this process's replicas run: threads of this process (`--workers`), or one replica in
@@ -143,8 +173,7 @@ impl Job {
 fn run_with_backend(args: &Args) -> Result<(), String> {
     let job = match Topology::from_env().map_err(|e| e.to_string())? {
         Some(topology) => Job::Process(topology),
-        None if args.workers == 0 => return Err("--workers must be at least 1".into()),
-        None => Job::Threads(args.workers),
+        None => Job::Threads(workers(args)?),
     };
     if !args.batch_size.is_multiple_of(job.world_size()) {
         return Err(format!(
@@ -165,20 +194,54 @@ fn run_with_backend(args: &Args) -> Result<(), String> {
     }
 }
 
+/// The replicas of this process: `--workers`, or 2 on CPU and every visible GPU on CUDA.
+fn workers(args: &Args) -> Result<usize, String> {
+    let workers = match (args.workers, args.device) {
+        (Some(workers), _) => workers,
+        (None, DeviceKind::Cpu) => 2,
+        (None, DeviceKind::Cuda) => cuda_devices()?,
+    };
+    if workers == 0 {
+        return Err("--workers must be at least 1".into());
+    }
+    if args.device == DeviceKind::Cuda {
+        // NCCL puts one rank per GPU.
+        let gpus = cuda_devices()?;
+        if workers > gpus {
+            return Err(format!(
+                "--workers {workers} but {gpus} CUDA device(s) visible: one replica per GPU"
+            ));
+        }
+    }
+    Ok(workers)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_devices() -> Result<usize, String> {
+    burn_ddp::nccl::cuda_device_count().map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices() -> Result<usize, String> {
+    Err(NO_CUDA.into())
+}
+
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str = "this binary was built without CUDA: rebuild with `--features cuda` \
+     (cargo xtask example fashion-mnist --features cuda -- --device cuda)";
+
 #[cfg(feature = "cuda")]
 fn cuda(args: &Args, job: &Job) -> Result<(), String> {
     use burn::backend::Cuda;
     use burn::backend::cuda::CudaDevice;
+    // A clear error instead of a panic in Burn when there is no NVIDIA driver.
+    burn_ddp::nccl::check_cuda_driver().map_err(|e| e.to_string())?;
     train::<Autodiff<Cuda>>(args, job, CudaDevice::new)
 }
 
 #[cfg(not(feature = "cuda"))]
 fn cuda(_args: &Args, _job: &Job) -> Result<(), String> {
-    Err(
-        "this binary was built without CUDA: rebuild with `--features cuda` \
-         (cargo xtask example fashion-mnist --features cuda -- --device cuda)"
-            .into(),
-    )
+    Err(NO_CUDA.into())
 }
 
 /// The newest epoch with a complete checkpoint (model, optimizer and scheduler files) in `dir`.
@@ -298,7 +361,7 @@ fn train<B: AutodiffBackend>(
     }
 
     let strategy = match job {
-        Job::Threads(1) => {
+        Job::Threads(1) if !args.ddp => {
             training
                 .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
                 .launch(learner);

@@ -1,0 +1,903 @@
+//! [`NcclGroup`]: a [`ProcessGroup`] of CUDA devices whose collectives run in NCCL, on device
+//! memory.
+//!
+//! # Streams and ordering
+//! CubeCL runs Burn's kernels on its own non-blocking CUDA streams, which NCCL cannot see. A
+//! device all-reduce therefore (1) waits for the bucket's pending work (Burn's backend sync, then
+//! the CubeCL client's), (2) runs NCCL on a stream of the group's own, and (3) returns only when
+//! that stream has finished, polled from the host: Burn's later kernels, which read the bucket,
+//! are enqueued after the reduced values are in place.
+//!
+//! # Timeouts
+//! The communicator is non-blocking (`ncclConfig_t.blocking = 0`). While a collective runs, the
+//! calling thread polls `ncclCommGetAsyncError` and the stream; when the timeout passes, or the
+//! group is aborted (by this rank or by a peer, through the host group), it calls
+//! `ncclCommAbort` and returns [`DdpError::Timeout`] or [`DdpError::Aborted`]. An aborted
+//! communicator is not used again: every later collective fails at once.
+
+use std::any::Any;
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use burn::tensor::DType;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::fusion::FusionCubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use burn_fusion::FusionTensor;
+use cubecl::cuda::CudaRuntime;
+use cudarc::driver::{result as cu, sys as cusys};
+
+use super::api::{
+    self, NCCL_IN_PROGRESS, NCCL_SUCCESS, NcclApi, NcclConfig, NcclUniqueId, RawComm,
+};
+use crate::group::{Collective, ProcessGroup, ReduceOp};
+use crate::{DdpError, Result};
+
+/// Burn-cuda's backend without fusion (`burn::backend::Cuda` when burn-cuda's `fusion` feature
+/// is off); with fusion, its tensors are resolved to this backend's `CubeTensor`.
+type CudaCube = CubeBackend<CudaRuntime, f32, i32, u8>;
+
+/// Where a communicator's [`NcclUniqueId`] comes from.
+#[derive(Debug, Clone, Copy)]
+pub enum NcclIdSource {
+    /// Rank 0 creates it and shares it through the host process group (an all-gather of 16
+    /// words): threads of one process ([`ThreadGroup`](crate::ThreadGroup)) or processes joined
+    /// by the rendezvous ([`TcpGroup`](crate::TcpGroup)).
+    HostGroup,
+    /// Every rank was given the same id (e.g. read from a rendezvous store, see
+    /// [`NcclUniqueId::from_hex`]).
+    Given(NcclUniqueId),
+}
+
+/// Loads NCCL once per process.
+fn nccl_api() -> Result<Arc<NcclApi>> {
+    static API: OnceLock<Arc<NcclApi>> = OnceLock::new();
+    if let Some(api) = API.get() {
+        return Ok(api.clone());
+    }
+    let api = Arc::new(NcclApi::load()?);
+    Ok(API.get_or_init(|| api).clone())
+}
+
+/// Checks that the CUDA driver library loads, before anything touches a CUDA device (cudarc and
+/// CubeCL panic when it is missing).
+///
+/// # Errors
+/// [`DdpError::LibraryNotFound`] naming the file names tried.
+pub fn check_cuda_driver() -> Result<()> {
+    // SAFETY: cudarc's probe only tries to load the library.
+    if unsafe { cusys::is_culib_present() } {
+        return Ok(());
+    }
+    Err(DdpError::LibraryNotFound {
+        library: "the CUDA driver (libcuda)".into(),
+        searched: cudarc::get_lib_name_candidates("cuda"),
+        detail: "no candidate loads".into(),
+        hint: "run on a machine with an NVIDIA driver (libcuda.so.1 comes with it), or add its \
+               directory to LD_LIBRARY_PATH"
+            .into(),
+    })
+}
+
+/// The number of CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`).
+///
+/// # Errors
+/// [`DdpError::LibraryNotFound`] without libcuda; [`DdpError::Nccl`] naming the failed driver
+/// call (e.g. `cuInit` with `CUDA_ERROR_NO_DEVICE`).
+pub fn cuda_device_count() -> Result<usize> {
+    check_cuda_driver()?;
+    let driver = |op: &'static str| move |e: cu::DriverError| driver_error(0, op, 0, e);
+    cu::init().map_err(driver("cuInit"))?;
+    let count = cu::device::get_count().map_err(driver("cuDeviceGetCount"))?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+/// CUDA handles, owned by one group and only used under its lock.
+struct Cuda {
+    ctx: cusys::CUcontext,
+    stream: cusys::CUstream,
+    comm: RawComm,
+    /// Device memory for the host-buffer collectives (grown on demand), and its size in bytes.
+    scratch: cusys::CUdeviceptr,
+    scratch_bytes: usize,
+    /// Set when the communicator was aborted: it is not used again.
+    broken: Option<String>,
+}
+
+// SAFETY: the raw CUDA and NCCL handles are only used while holding the group's mutex, and CUDA
+// contexts, streams and NCCL communicators may be used from any thread (one at a time).
+unsafe impl Send for Cuda {}
+
+/// A process group of CUDA devices whose collectives run in NCCL.
+///
+/// One per rank, each on its own GPU; all ranks build theirs at the same time (the communicator's
+/// initialisation is collective). The host group it is built from stays in use for the id
+/// exchange and to spread an abort to the peers.
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use std::time::Duration;
+/// # use burn_ddp::{ProcessGroup, TcpGroup, TcpGroupOptions};
+/// # use burn_ddp::nccl::{NcclGroup, NcclIdSource};
+/// # fn main() -> burn_ddp::Result<()> {
+/// let host = Arc::new(TcpGroup::from_env(&TcpGroupOptions::default())?);
+/// let local_rank = 0; // this process's GPU
+/// let group = NcclGroup::new(host, local_rank, NcclIdSource::HostGroup, Duration::from_secs(300))?;
+/// let mut values = vec![1.0f32; 4];
+/// group.all_reduce(&mut values, burn_ddp::group::ReduceOp::Sum, Duration::from_secs(60))?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct NcclGroup {
+    rank: usize,
+    world_size: usize,
+    device_index: usize,
+    api: Arc<NcclApi>,
+    host: Arc<dyn ProcessGroup>,
+    cuda: Mutex<Cuda>,
+    seq: AtomicU64,
+    aborted: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for NcclGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("device_index", &self.device_index)
+            .field("nccl", &self.api)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A CUDA driver error as a [`DdpError::Nccl`].
+fn driver_error(rank: usize, op: &str, seq: u64, err: cu::DriverError) -> DdpError {
+    let name = err
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("CUresult {:?}", err.0));
+    let text = err
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    DdpError::Nccl {
+        rank,
+        op: op.to_string(),
+        seq,
+        code: name,
+        detail: text,
+    }
+}
+
+/// Sleeps a little longer each time a poll finds the work unfinished: the first polls spin,
+/// later ones sleep up to 200 µs, so a short collective returns quickly and a long wait does not
+/// burn a core.
+fn backoff(polls: &mut u32) {
+    *polls += 1;
+    match *polls {
+        0..=64 => std::hint::spin_loop(),
+        65..=256 => std::thread::yield_now(),
+        _ => std::thread::sleep(Duration::from_micros(200)),
+    }
+}
+
+impl NcclGroup {
+    /// Builds rank `host.rank()`'s communicator on GPU `device_index` (a CUDA ordinal), with the
+    /// same rank and world size as `host`. Every rank calls it at the same time; `timeout` bounds
+    /// the wait for the others.
+    ///
+    /// # Errors
+    /// [`DdpError::LibraryNotFound`] when libcuda or libnccl is missing (see
+    /// [`library`](super::library)); [`DdpError::Nccl`] when a CUDA or NCCL call fails or the
+    /// ranks do not all join within `timeout`; the host group's errors during the id exchange.
+    /// On error the host group is aborted, so the peers fail fast too.
+    pub fn new(
+        host: Arc<dyn ProcessGroup>,
+        device_index: usize,
+        id: NcclIdSource,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let rank = host.rank();
+        let built = Self::build(host.clone(), device_index, id, timeout);
+        if let Err(err) = &built {
+            host.abort(&format!("rank {rank} could not set up NCCL: {err}"));
+        }
+        built
+    }
+
+    fn build(
+        host: Arc<dyn ProcessGroup>,
+        device_index: usize,
+        id: NcclIdSource,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let rank = host.rank();
+        let world_size = host.world_size();
+        check_cuda_driver()?;
+        let api = nccl_api()?;
+        let id = match id {
+            NcclIdSource::Given(id) => id,
+            NcclIdSource::HostGroup => {
+                let mine = if rank == 0 {
+                    api.unique_id(rank)?.to_words()
+                } else {
+                    [0u64; 16]
+                };
+                let all = host.all_gather(&mine, timeout)?;
+                NcclUniqueId::from_words(&all[..16]).ok_or_else(|| {
+                    DdpError::InvalidConfig("the NCCL id exchange returned too few words".into())
+                })?
+            }
+        };
+        let setup = |op: &'static str| move |e: cu::DriverError| driver_error(rank, op, 0, e);
+        cu::init().map_err(setup("cuInit"))?;
+        let ordinal = c_int::try_from(device_index).map_err(|_| {
+            DdpError::InvalidConfig(format!("CUDA device index {device_index} is too large"))
+        })?;
+        let device = cu::device::get(ordinal).map_err(setup("cuDeviceGet"))?;
+        // SAFETY: `device` is a valid device; the primary context is the one CubeCL uses, and it
+        // is retained for the life of the process (as CubeCL does).
+        let ctx = unsafe { cu::primary_ctx::retain(device) }
+            .map_err(setup("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: `ctx` was just retained.
+        unsafe { cu::ctx::set_current(ctx) }.map_err(setup("cuCtxSetCurrent"))?;
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(setup("cuStreamCreate"))?;
+
+        let mut comm: RawComm = std::ptr::null_mut();
+        let mut config = NcclConfig::new(false);
+        // SAFETY: `comm` and `config` are valid for writes and reads; `id` is 128 bytes, passed
+        // by value as nccl.h declares.
+        let code = unsafe {
+            (api.comm_init_rank_config)(
+                &mut comm,
+                world_size as c_int,
+                id,
+                rank as c_int,
+                &mut config,
+            )
+        };
+        let group = Self {
+            rank,
+            world_size,
+            device_index,
+            api: api.clone(),
+            host,
+            cuda: Mutex::new(Cuda {
+                ctx,
+                stream,
+                comm,
+                scratch: 0,
+                scratch_bytes: 0,
+                broken: None,
+            }),
+            seq: AtomicU64::new(0),
+            aborted: Mutex::new(None),
+        };
+        if code != NCCL_SUCCESS && code != NCCL_IN_PROGRESS {
+            return Err(api.error(code, rank, "ncclCommInitRankConfig", 0, comm));
+        }
+        {
+            let mut cuda = group.lock();
+            group.wait(&mut cuda, Step::Init, 0, timeout)?;
+        }
+        tracing::debug!(
+            "burn-ddp: NCCL {} ({}) communicator for rank {rank}/{world_size} on cuda:{device_index}",
+            api::version_string(api.version),
+            api.path
+        );
+        Ok(group)
+    }
+
+    /// The CUDA ordinal of this rank's GPU.
+    pub fn device_index(&self) -> usize {
+        self.device_index
+    }
+
+    /// The NCCL version in use, as `ncclGetVersion` reports it (e.g. 22703 for 2.27.3).
+    pub fn nccl_version(&self) -> i32 {
+        self.api.version
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Cuda> {
+        self.cuda.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Fails fast on a group that was aborted or whose communicator is broken.
+    fn check_usable(&self, cuda: &Cuda, op: Collective, seq: u64) -> Result<()> {
+        let cause = cuda.broken.clone().or_else(|| {
+            self.aborted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        });
+        match cause {
+            Some(cause) => Err(DdpError::Aborted {
+                rank: self.rank,
+                op,
+                seq,
+                cause,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the group's context current on the calling thread.
+    fn enter(&self, cuda: &Cuda, op: &str, seq: u64) -> Result<()> {
+        // SAFETY: the context was retained in `build` and is never released.
+        unsafe { cu::ctx::set_current(cuda.ctx) }.map_err(|e| driver_error(self.rank, op, seq, e))
+    }
+
+    /// Aborts the communicator (once) and records why.
+    fn break_comm(&self, cuda: &mut Cuda, why: &str) {
+        if cuda.broken.is_none() {
+            // SAFETY: the communicator is valid and not used again once `broken` is set.
+            unsafe { (self.api.comm_abort)(cuda.comm) };
+            cuda.broken = Some(why.to_string());
+        }
+    }
+
+    /// Waits until the communicator's pending call and the group's stream are done, polling both
+    /// and the abort flags until `timeout` passes.
+    fn wait(&self, cuda: &mut Cuda, step: Step, seq: u64, timeout: Duration) -> Result<()> {
+        let started = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            let mut state: c_int = NCCL_SUCCESS;
+            // SAFETY: valid communicator, `state` valid for a write.
+            let code = unsafe { (self.api.comm_get_async_error)(cuda.comm, &mut state) };
+            let failed = if code != NCCL_SUCCESS {
+                Some(code)
+            } else if state != NCCL_SUCCESS && state != NCCL_IN_PROGRESS {
+                Some(state)
+            } else {
+                None
+            };
+            if let Some(code) = failed {
+                let err = self
+                    .api
+                    .error(code, self.rank, &step.name(), seq, cuda.comm);
+                self.break_comm(cuda, &err.to_string());
+                return Err(err);
+            }
+            if state == NCCL_SUCCESS {
+                if matches!(step, Step::Init) {
+                    return Ok(());
+                }
+                // SAFETY: the stream belongs to this group.
+                match unsafe { cusys::cuStreamQuery(cuda.stream) } {
+                    cusys::CUresult::CUDA_SUCCESS => return Ok(()),
+                    cusys::CUresult::CUDA_ERROR_NOT_READY => {}
+                    other => {
+                        let err =
+                            driver_error(self.rank, &step.name(), seq, cu::DriverError(other));
+                        self.break_comm(cuda, &err.to_string());
+                        return Err(err);
+                    }
+                }
+            }
+            let aborted = self
+                .aborted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .or_else(|| self.host.aborted());
+            if let Some(cause) = aborted {
+                self.break_comm(cuda, &cause);
+                return Err(match step {
+                    Step::Collective(op) => DdpError::Aborted {
+                        rank: self.rank,
+                        op,
+                        seq,
+                        cause,
+                    },
+                    Step::Init => DdpError::Nccl {
+                        rank: self.rank,
+                        op: step.name(),
+                        seq,
+                        code: "aborted".into(),
+                        detail: cause,
+                    },
+                });
+            }
+            if started.elapsed() > timeout {
+                let err = match step {
+                    Step::Collective(op) => DdpError::Timeout {
+                        rank: self.rank,
+                        op,
+                        seq,
+                        timeout,
+                        missing: Vec::new(),
+                        last_seen: Vec::new(),
+                    },
+                    Step::Init => DdpError::Nccl {
+                        rank: self.rank,
+                        op: step.name(),
+                        seq,
+                        code: "timeout".into(),
+                        detail: format!(
+                            "not every rank joined the communicator within {} s; check that \
+                             all {} ranks started and see NCCL_DEBUG=WARN",
+                            timeout.as_secs_f64(),
+                            self.world_size
+                        ),
+                    },
+                };
+                let why = err.to_string();
+                self.break_comm(cuda, &why);
+                // The peers are probably stuck in the same collective: end their wait too.
+                self.host.abort(&why);
+                return Err(err);
+            }
+            backoff(&mut polls);
+        }
+    }
+
+    /// Device memory of at least `bytes` for the host-buffer collectives.
+    fn scratch(&self, cuda: &mut Cuda, bytes: usize, op: &str, seq: u64) -> Result<u64> {
+        if cuda.scratch_bytes < bytes {
+            if cuda.scratch != 0 {
+                // SAFETY: allocated below by this group; no collective is using it (under lock).
+                unsafe { cu::free_sync(cuda.scratch) }
+                    .map_err(|e| driver_error(self.rank, op, seq, e))?;
+                cuda.scratch = 0;
+                cuda.scratch_bytes = 0;
+            }
+            let size = bytes.next_power_of_two().max(256);
+            // SAFETY: plain allocation in the current context.
+            cuda.scratch = unsafe { cu::malloc_sync(size) }
+                .map_err(|e| driver_error(self.rank, op, seq, e))?;
+            cuda.scratch_bytes = size;
+        }
+        Ok(cuda.scratch)
+    }
+
+    /// A collective on host memory: `host` is copied to device scratch memory (at byte offset
+    /// `offset`), `launch` runs NCCL on the scratch buffer, and `len_out` bytes from the start
+    /// of scratch are copied back into `out`.
+    fn host_collective(
+        &self,
+        op: Collective,
+        input: &[u8],
+        offset: usize,
+        out: &mut [u8],
+        timeout: Duration,
+        launch: impl FnOnce(&NcclApi, u64, RawComm, cusys::CUstream) -> c_int,
+    ) -> Result<()> {
+        let seq = self.next_seq();
+        let mut cuda = self.lock();
+        self.check_usable(&cuda, op, seq)?;
+        let name = op.name();
+        self.enter(&cuda, name, seq)?;
+        let bytes = (offset + input.len()).max(out.len());
+        let scratch = self.scratch(&mut cuda, bytes, name, seq)?;
+        let driver = |e| driver_error(self.rank, name, seq, e);
+        if !input.is_empty() {
+            // SAFETY: `scratch` holds at least `offset + input.len()` bytes; the copy is ordered
+            // before the collective on the same stream.
+            unsafe {
+                cu::memcpy_htod_async(scratch + offset as u64, input, cuda.stream)
+                    .map_err(driver)?
+            };
+        }
+        let code = launch(&self.api, scratch, cuda.comm, cuda.stream);
+        if code != NCCL_SUCCESS && code != NCCL_IN_PROGRESS {
+            let err = self.api.error(code, self.rank, name, seq, cuda.comm);
+            self.break_comm(&mut cuda, &err.to_string());
+            return Err(err);
+        }
+        self.wait(&mut cuda, Step::Collective(op), seq, timeout)?;
+        if !out.is_empty() {
+            // SAFETY: the stream is done, so the scratch buffer holds the result.
+            unsafe { cu::memcpy_dtoh_sync(out, scratch) }.map_err(driver)?;
+        }
+        Ok(())
+    }
+
+    /// All-reduce of a CubeCL CUDA tensor in place, or of `src` into `dst` when given.
+    fn reduce_cube(
+        &self,
+        src: CubeTensor<CudaRuntime>,
+        dst: Option<CubeTensor<CudaRuntime>>,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let len = src.meta.shape().num_elements();
+        let collective = Collective::AllReduce { op, len };
+        let seq = self.next_seq();
+        let name = "all_reduce";
+        let layout = |detail: String| DdpError::Nccl {
+            rank: self.rank,
+            op: name.into(),
+            seq,
+            code: "unsupported bucket".into(),
+            detail,
+        };
+        let (dtype, element_bytes) = match src.dtype {
+            DType::F32 => (api::dtype::FLOAT32, 4),
+            DType::BF16 => (api::dtype::BFLOAT16, 2),
+            DType::F16 => (api::dtype::FLOAT16, 2),
+            other => {
+                return Err(layout(format!(
+                    "buckets are f32, bf16 or f16; this one is {other:?}"
+                )));
+            }
+        };
+        let target = dst.as_ref().unwrap_or(&src);
+        for (what, t) in [("bucket", &src), ("output", target)] {
+            if t.device.index != self.device_index {
+                return Err(layout(format!(
+                    "the {what} is on cuda:{}, this rank's NCCL communicator on cuda:{}",
+                    t.device.index, self.device_index
+                )));
+            }
+            if !t.is_contiguous() {
+                return Err(layout(format!("the {what} is not contiguous")));
+            }
+            if t.dtype != src.dtype || t.meta.shape().num_elements() != len {
+                return Err(layout(format!(
+                    "the output ({:?}, {} values) does not match the bucket ({:?}, {len} values)",
+                    t.dtype,
+                    t.meta.shape().num_elements(),
+                    src.dtype
+                )));
+            }
+        }
+        let bytes = (len * element_bytes) as u64;
+        // (1) Finish the work that writes the bucket (and, for an output, any earlier reader).
+        cubecl::future::block_on(src.client.sync())
+            .map_err(|e| layout(format!("the device failed before the all-reduce: {e:?}")))?;
+        let resource = |t: &CubeTensor<CudaRuntime>| {
+            t.client
+                .get_resource(t.handle.clone())
+                .map_err(|e| layout(format!("cannot reach the buffer's memory: {e:?}")))
+        };
+        // Kept alive (the allocation is not reused) until the collective is done.
+        let send = resource(&src)?;
+        let recv = match &dst {
+            Some(dst) => Some(resource(dst)?),
+            None => None,
+        };
+        let send_ptr = send.resource().ptr;
+        let recv_ptr = recv.as_ref().map_or(send_ptr, |r| r.resource().ptr);
+        for (what, size) in [
+            ("bucket", send.resource().size),
+            ("output", recv.as_ref().map_or(bytes, |r| r.resource().size)),
+        ] {
+            if size < bytes {
+                return Err(layout(format!(
+                    "the {what}'s buffer holds {size} bytes, {len} values need {bytes}"
+                )));
+            }
+        }
+
+        let mut cuda = self.lock();
+        self.check_usable(&cuda, collective, seq)?;
+        self.enter(&cuda, name, seq)?;
+        // (2) NCCL on the group's stream.
+        // SAFETY: both pointers are device memory of this context holding `len` elements of
+        // `dtype` (checked above), kept alive by `send`/`recv`; CubeCL's work on them is done.
+        let code = unsafe {
+            (self.api.all_reduce)(
+                send_ptr as *const std::ffi::c_void,
+                recv_ptr as *mut std::ffi::c_void,
+                len,
+                dtype,
+                api::nccl_op(op),
+                cuda.comm,
+                cuda.stream as api::RawStream,
+            )
+        };
+        if code != NCCL_SUCCESS && code != NCCL_IN_PROGRESS {
+            let err = self.api.error(code, self.rank, name, seq, cuda.comm);
+            self.break_comm(&mut cuda, &err.to_string());
+            return Err(err);
+        }
+        // (3) Nothing reads the bucket before the stream is done.
+        self.wait(&mut cuda, Step::Collective(collective), seq, timeout)?;
+        drop(cuda);
+        drop((send, recv));
+        Ok(())
+    }
+
+    /// Resolves a float tensor primitive of burn-cuda (with or without fusion) to its
+    /// `CubeTensor`, sharing the same device memory.
+    fn cube_tensor(tensor: &dyn Any) -> Option<CubeTensor<CudaRuntime>> {
+        if let Some(t) = tensor.downcast_ref::<CubeTensor<CudaRuntime>>() {
+            return Some(t.clone());
+        }
+        let fused = tensor.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
+        // Resolving a clone leaves the fusion server's handle in place (read-only status), so
+        // the fusion tensor keeps pointing at the memory the all-reduce writes.
+        Some(fused.client.resolve_tensor_float::<CudaCube>(fused.clone()))
+    }
+
+    /// All-reduce of `src` into `dst` (float tensor primitives of burn-cuda of the same dtype
+    /// and length; with or without fusion). `reduce` in place is
+    /// [`all_reduce_device`](ProcessGroup::all_reduce_device); this out-of-place form lets a
+    /// check tell a stale read from a fresh one.
+    ///
+    /// # Errors
+    /// As [`all_reduce_device`](ProcessGroup::all_reduce_device); [`DdpError::InvalidConfig`]
+    /// when either tensor is not a burn-cuda tensor.
+    pub fn all_reduce_into(
+        &self,
+        src: &dyn Any,
+        dst: &dyn Any,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        match (Self::cube_tensor(src), Self::cube_tensor(dst)) {
+            (Some(src), Some(dst)) => self.reduce_cube(src, Some(dst), op, timeout),
+            _ => Err(DdpError::InvalidConfig(
+                "NcclGroup::all_reduce_into takes burn-cuda float tensors".into(),
+            )),
+        }
+    }
+}
+
+/// What a wait is for, to name it in errors.
+#[derive(Clone, Copy)]
+enum Step {
+    Init,
+    Collective(Collective),
+}
+
+impl Step {
+    fn name(&self) -> String {
+        match self {
+            Step::Init => "ncclCommInitRankConfig".into(),
+            Step::Collective(op) => op.name().to_string(),
+        }
+    }
+}
+
+impl ProcessGroup for NcclGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()> {
+        let len = bucket.len();
+        let input = bytemuck::cast_slice::<f32, u8>(bucket).to_vec();
+        self.host_collective(
+            Collective::AllReduce { op, len },
+            &input,
+            0,
+            bytemuck::cast_slice_mut(bucket),
+            timeout,
+            |api, scratch, comm, stream| {
+                // SAFETY: `scratch` holds `len` f32 (the copy above), on this group's stream.
+                unsafe {
+                    (api.all_reduce)(
+                        scratch as *const std::ffi::c_void,
+                        scratch as *mut std::ffi::c_void,
+                        len,
+                        api::dtype::FLOAT32,
+                        api::nccl_op(op),
+                        comm,
+                        stream as api::RawStream,
+                    )
+                }
+            },
+        )
+    }
+
+    fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
+        let len = buffer.len();
+        if root >= self.world_size {
+            return Err(DdpError::InvalidConfig(format!(
+                "broadcast root {root} is not a rank of a group of {}",
+                self.world_size
+            )));
+        }
+        let input = if self.rank == root {
+            bytemuck::cast_slice::<f32, u8>(buffer).to_vec()
+        } else {
+            Vec::new()
+        };
+        self.host_collective(
+            Collective::Broadcast { root, len },
+            &input,
+            0,
+            bytemuck::cast_slice_mut(buffer),
+            timeout,
+            |api, scratch, comm, stream| {
+                // SAFETY: as in `all_reduce`.
+                unsafe {
+                    (api.broadcast)(
+                        scratch as *const std::ffi::c_void,
+                        scratch as *mut std::ffi::c_void,
+                        len,
+                        api::dtype::FLOAT32,
+                        root as c_int,
+                        comm,
+                        stream as api::RawStream,
+                    )
+                }
+            },
+        )
+    }
+
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        // A one-value all-reduce: NCCL has no barrier, and this is what PyTorch's does.
+        let seq_op = Collective::Barrier;
+        let mut value = [0.0f32];
+        self.host_collective(
+            seq_op,
+            bytemuck::cast_slice(&value.clone()),
+            0,
+            bytemuck::cast_slice_mut(&mut value),
+            timeout,
+            |api, scratch, comm, stream| {
+                // SAFETY: as in `all_reduce`, one value.
+                unsafe {
+                    (api.all_reduce)(
+                        scratch as *const std::ffi::c_void,
+                        scratch as *mut std::ffi::c_void,
+                        1,
+                        api::dtype::FLOAT32,
+                        api::redop::SUM,
+                        comm,
+                        stream as api::RawStream,
+                    )
+                }
+            },
+        )
+    }
+
+    fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>> {
+        let len = values.len();
+        let mut out = vec![0u64; len * self.world_size];
+        let rank = self.rank;
+        self.host_collective(
+            Collective::AllGather { len },
+            bytemuck::cast_slice(values),
+            rank * len * 8,
+            bytemuck::cast_slice_mut(&mut out),
+            timeout,
+            |api, scratch, comm, stream| {
+                // SAFETY: `scratch` holds `world_size * len` u64 with this rank's at its slot
+                // (NCCL's in-place all-gather layout).
+                unsafe {
+                    (api.all_gather)(
+                        (scratch + (rank * len * 8) as u64) as *const std::ffi::c_void,
+                        scratch as *mut std::ffi::c_void,
+                        len,
+                        api::dtype::UINT64,
+                        comm,
+                        stream as api::RawStream,
+                    )
+                }
+            },
+        )?;
+        Ok(out)
+    }
+
+    fn abort(&self, reason: &str) {
+        {
+            let mut aborted = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
+            if aborted.is_none() {
+                *aborted = Some(format!("rank {} aborted the group: {reason}", self.rank));
+            }
+        }
+        // The peers learn it through the host group (their waits poll it).
+        self.host.abort(reason);
+    }
+
+    fn aborted(&self) -> Option<String> {
+        self.aborted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .or_else(|| self.host.aborted())
+    }
+
+    fn reduces_device_tensors(&self) -> bool {
+        true
+    }
+
+    fn all_reduce_device(
+        &self,
+        tensor: &mut dyn Any,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<bool> {
+        match Self::cube_tensor(tensor) {
+            Some(tensor) => self.reduce_cube(tensor, None, op, timeout).map(|()| true),
+            None => Ok(false),
+        }
+    }
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        let cuda = self.cuda.get_mut().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the handles belong to this group and nothing uses them after this point.
+        unsafe {
+            let _ = cu::ctx::set_current(cuda.ctx);
+            if cuda.broken.is_none() {
+                // A non-blocking communicator may still be finalising; abort is always safe.
+                let _ = (self.api.comm_abort)(cuda.comm);
+            }
+            if cuda.scratch != 0 {
+                let _ = cu::free_sync(cuda.scratch);
+            }
+            let _ = cu::stream::destroy(cuda.stream);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ThreadGroup;
+
+    /// Without a driver (CI), building the group is a clear error and the host group is aborted
+    /// so the peers do not wait; with one (a GPU machine), a world of one builds and reduces.
+    #[test]
+    fn a_missing_driver_is_an_error_that_aborts_the_host_group() {
+        let host: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new_group(1).unwrap().remove(0));
+        let built = NcclGroup::new(
+            host.clone(),
+            0,
+            NcclIdSource::HostGroup,
+            Duration::from_secs(30),
+        );
+        match check_cuda_driver() {
+            Err(expected) => {
+                let err = built.unwrap_err();
+                assert_eq!(err, expected);
+                match &err {
+                    DdpError::LibraryNotFound { searched, hint, .. } => {
+                        assert!(searched.iter().any(|s| s.starts_with("libcuda.so")));
+                        assert!(hint.contains("LD_LIBRARY_PATH"));
+                    }
+                    other => panic!("expected LibraryNotFound, got {other:?}"),
+                }
+                let aborted = host.aborted().expect("the host group is aborted");
+                assert!(aborted.contains("could not set up NCCL"), "{aborted}");
+                assert!(cuda_device_count().is_err());
+            }
+            Ok(()) => {
+                if let Ok(group) = built {
+                    let mut values = vec![1.5f32, -2.0, 3.25];
+                    group
+                        .all_reduce(&mut values, ReduceOp::Sum, Duration::from_secs(30))
+                        .unwrap();
+                    assert_eq!(values, [1.5, -2.0, 3.25]);
+                    assert_eq!(
+                        group.all_gather(&[9, 8], Duration::from_secs(30)).unwrap(),
+                        [9, 8]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn group_for_device_keeps_the_host_group_for_cpu_devices_and_one_rank() {
+        let host: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new_group(1).unwrap().remove(0));
+        let config = crate::DdpConfig::default();
+        let cpu = burn::backend::flex::FlexDevice;
+        let group = crate::nccl::group_for_device(host.clone(), &cpu, &config).unwrap();
+        assert_eq!(group.backend(), "threads");
+        let cuda = cubecl::cuda::CudaDevice::new(0);
+        let group = crate::nccl::group_for_device(host, &cuda, &config).unwrap();
+        assert_eq!(group.backend(), "threads", "one rank needs no communicator");
+    }
+}

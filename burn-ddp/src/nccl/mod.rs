@@ -1,0 +1,47 @@
+//! NCCL: the process group of CUDA devices ([`NcclGroup`], feature `cuda`), how `libnccl` is
+//! found and loaded at run time ([`library`], [`api`]), and gradient compression for the wire
+//! ([`compress`]).
+//!
+//! The library lookup, the C API's types and the compression are plain Rust and Burn tensor
+//! operations, built and tested without a GPU; the group itself needs the `cuda` feature.
+
+pub mod api;
+pub mod compress;
+#[cfg(feature = "cuda")]
+pub mod group;
+pub mod library;
+
+pub use api::{NcclApi, NcclUniqueId};
+pub use compress::GradientCompression;
+#[cfg(feature = "cuda")]
+pub use group::{NcclGroup, NcclIdSource, check_cuda_driver, cuda_device_count};
+
+use std::sync::Arc;
+
+use crate::group::ProcessGroup;
+use crate::{DdpConfig, Result};
+
+/// The process group a replica on `device` trains with: an [`NcclGroup`] over `host` (same
+/// ranks, NCCL id shared through `host`) when `device` is a burn-cuda device and the world has
+/// more than one rank; `host` itself otherwise (CPU devices, a single replica, or a build
+/// without the `cuda` feature). Every rank calls it at the same time.
+///
+/// # Errors
+/// [`NcclGroup::new`]'s: [`DdpError::LibraryNotFound`](crate::DdpError::LibraryNotFound) without
+/// libcuda or libnccl, [`DdpError::Nccl`](crate::DdpError::Nccl) when the communicator cannot
+/// be built within `config.timeout()`.
+pub fn group_for_device<D: std::any::Any>(
+    host: Arc<dyn ProcessGroup>,
+    device: &D,
+    config: &DdpConfig,
+) -> Result<Arc<dyn ProcessGroup>> {
+    #[cfg(feature = "cuda")]
+    if let Some(cuda) = (device as &dyn std::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>()
+        && host.world_size() > 1
+    {
+        let group = NcclGroup::new(host, cuda.index, NcclIdSource::HostGroup, config.timeout())?;
+        return Ok(Arc::new(group));
+    }
+    let _ = (device, config);
+    Ok(host)
+}
