@@ -441,7 +441,7 @@ impl Reducer {
             parts.push(Tensor::from_data(TensorData::new(flags, [count]), device));
             let mut flat = Tensor::cat(parts, 0);
             if options.check_finite {
-                local_sums.push(flat.clone().slice(0..bucket.numel).sum());
+                local_sums.push(non_finite_probe(flat.clone().slice(0..bucket.numel)));
             }
             if options.weight != 1.0 {
                 flat = flat.mul_scalar(options.weight);
@@ -449,10 +449,15 @@ impl Reducer {
             let (wire, wire_op) = compress(flat, options.op, world_size, self.compression);
             let mut primitive = wire.into_primitive().tensor();
             let flattened = Instant::now();
-            if !self
+            let done = self
                 .group
-                .all_reduce_device(&mut primitive, wire_op, self.timeout)?
-            {
+                .all_reduce_device(&mut primitive, wire_op, self.timeout)
+                .inspect_err(|err| {
+                    // A rank that fails before NCCL starts (a buffer NCCL cannot take) must not
+                    // leave its peers waiting in theirs.
+                    self.group.abort(&err.to_string());
+                })?;
+            if !done {
                 return Err(fail(format!(
                     "the {} process group reduces device tensors, but not this backend's; \
                      use CUDA devices with it",
@@ -486,17 +491,18 @@ impl Reducer {
                     .buckets
                     .iter()
                     .zip(&reduced)
-                    .map(|(b, r)| values(r, b).sum()),
+                    .map(|(b, r)| non_finite_probe(values(r, b))),
             );
         }
         if options.clip_norm.is_some() {
-            probe.extend(
-                self.layout
-                    .buckets
-                    .iter()
-                    .zip(&reduced)
-                    .map(|(b, r)| values(r, b).powf_scalar(2.0).sum()),
-            );
+            // Per bucket: the largest magnitude m and the sum of (v / m)^2, so the f32 sum
+            // cannot overflow; the norm m * sqrt(sum) is assembled in f64 on the host.
+            for (b, r) in self.layout.buckets.iter().zip(&reduced) {
+                let max = values(r, b).abs().max().clamp_min(f32::MIN_POSITIVE);
+                let scaled = values(r, b).div(max.clone()).powf_scalar(2.0).sum();
+                probe.push(max);
+                probe.push(scaled);
+            }
         }
         let flag_count: usize = self.layout.buckets.iter().map(|b| b.params.len()).sum();
         probe.extend(local_sums);
@@ -519,8 +525,8 @@ impl Reducer {
             rest = &rest[buckets..];
         }
         if options.clip_norm.is_some() {
-            checks.extend_from_slice(&rest[..buckets]);
-            rest = &rest[buckets..];
+            checks.extend_from_slice(&rest[..2 * buckets]);
+            rest = &rest[2 * buckets..];
         }
         if options.check_finite {
             outcome.local_non_finite = rest.iter().any(|v| !v.is_finite());
@@ -536,7 +542,14 @@ impl Reducer {
         }
         let mut scale = 1.0f32;
         if let Some(max_norm) = options.clip_norm {
-            let norm = squares.iter().map(|&v| f64::from(v)).sum::<f64>().sqrt();
+            let norm = squares
+                .chunks_exact(2)
+                .map(|pair| {
+                    let (max, scaled) = (f64::from(pair[0]), f64::from(pair[1]));
+                    max * max * scaled
+                })
+                .sum::<f64>()
+                .sqrt();
             outcome.grad_norm = Some(norm);
             let coefficient = f64::from(max_norm) / (norm + 1e-6);
             if coefficient < 1.0 {
@@ -678,6 +691,12 @@ impl ReduceOutcome {
             clip_scale: None,
         }
     }
+}
+
+/// A one-element tensor that is NaN exactly when `values` holds a NaN or an infinity: the sum of
+/// `values * 0`, which a large finite sum cannot overflow.
+fn non_finite_probe<B: Backend>(values: Tensor<B, 1>) -> Tensor<B, 1> {
+    values.mul_scalar(0.0).sum()
 }
 
 /// Removes `spec`'s gradient from `grads` and flattens it to one dimension.
@@ -857,11 +876,16 @@ mod tests {
 
     /// Rank `rank`'s gradients for `layer` (weight `[3, 2]`, bias `[2]`): distinct values on
     /// every element; rank 1 has no bias gradient; `nan` puts a NaN in rank 1's weight.
-    fn device_grads(layer: &Linear<AutodiffDev>, rank: usize, nan: bool) -> GradientsParams {
+    fn device_grads(
+        layer: &Linear<AutodiffDev>,
+        rank: usize,
+        nan: bool,
+        magnitude: f32,
+    ) -> GradientsParams {
         let device = Default::default();
         let mut grads = GradientsParams::new();
         let mut w: Vec<f32> = (0..6)
-            .map(|i| (i as f32 + 1.0) * 0.37 * if rank == 0 { 1.0 } else { -2.5 })
+            .map(|i| (i as f32 + 1.0) * 0.37 * magnitude * if rank == 0 { 1.0 } else { -2.5 })
             .collect();
         if nan && rank == 1 {
             w[3] = f32::NAN;
@@ -870,7 +894,10 @@ mod tests {
         grads.register::<Dev, 2>(layer.weight.id, weight);
         if rank == 0 {
             let bias = layer.bias.as_ref().unwrap().id;
-            grads.register::<Dev, 1>(bias, Tensor::from_data([1.25, -3.5], &device));
+            grads.register::<Dev, 1>(
+                bias,
+                Tensor::from_data([1.25 * magnitude, -3.5 * magnitude], &device),
+            );
         }
         grads
     }
@@ -882,6 +909,7 @@ mod tests {
         config: &DdpConfig,
         options: &ReduceOptions,
         nan: bool,
+        magnitude: f32,
     ) -> Vec<(Vec<f32>, Option<Vec<f32>>, ReduceOutcome)> {
         let layer: Linear<AutodiffDev> = LinearConfig::new(3, 2).init(&Default::default());
         let layout = ReplicaLayout::of(&layer);
@@ -899,7 +927,7 @@ mod tests {
                             Arc::new(group)
                         };
                         let mut reducer = Reducer::new(group, layout, config).unwrap();
-                        let grads = device_grads(layer, rank, nan);
+                        let grads = device_grads(layer, rank, nan, magnitude);
                         let outcome = reducer
                             .reduce_with::<Dev>(Some(grads), &Default::default(), options)
                             .unwrap();
@@ -936,16 +964,34 @@ mod tests {
                 ..ReduceOptions::default()
             },
         ] {
-            let host = reduce_two(false, &config, &options, false);
-            let device = reduce_two(true, &config, &options, false);
+            let host = reduce_two(false, &config, &options, false, 1.0);
+            let device = reduce_two(true, &config, &options, false, 1.0);
             for rank in 0..2 {
                 let (hw, hb, ho) = &host[rank];
                 let (dw, db, d_o) = &device[rank];
                 assert_eq!(hw.len(), 6);
-                assert_eq!(dw, hw, "weight, rank {rank}, {options:?}");
+                // Clipping scales by a norm summed in another order (f32 on the device, f64 on
+                // the host): equal within a few ulp; without clipping, bit-identical.
+                let close = |d: &[f32], h: &[f32]| {
+                    d.len() == h.len()
+                        && d.iter().zip(h).all(|(d, h)| {
+                            if options.clip_norm.is_some() {
+                                (d - h).abs() <= 1e-6 * h.abs()
+                            } else {
+                                d == h
+                            }
+                        })
+                };
+                assert!(
+                    close(dw, hw),
+                    "weight, rank {rank}, {options:?}: {dw:?} vs {hw:?}"
+                );
                 // Rank 1 had no bias gradient, but rank 0 did: every rank gets the average.
-                assert_eq!(db, hb, "bias, rank {rank}, {options:?}");
-                assert!(db.is_some());
+                let (db, hb) = (db.as_ref().expect("bias"), hb.as_ref().expect("bias"));
+                assert!(
+                    close(db, hb),
+                    "bias, rank {rank}, {options:?}: {db:?} vs {hb:?}"
+                );
                 assert_eq!(d_o.non_finite, ho.non_finite);
                 match (d_o.grad_norm, ho.grad_norm) {
                     (Some(d), Some(h)) => assert!((d - h).abs() <= 1e-6 * h, "{d} vs {h}"),
@@ -959,12 +1005,38 @@ mod tests {
     }
 
     #[test]
+    fn device_checks_do_not_overflow_where_the_host_checks_do_not() {
+        // Gradients around 1e25: their squares (1e50) overflow f32, their sum does not.
+        let options = ReduceOptions {
+            clip_norm: Some(1.0),
+            check_finite: true,
+            ..ReduceOptions::default()
+        };
+        let config = DdpConfig::default();
+        let host = reduce_two(false, &config, &options, false, 1e25);
+        let device = reduce_two(true, &config, &options, false, 1e25);
+        for rank in 0..2 {
+            let (h, d) = (&host[rank].2, &device[rank].2);
+            assert!(
+                !h.non_finite && !d.non_finite,
+                "finite gradients, rank {rank}"
+            );
+            let (hn, dn) = (h.grad_norm.unwrap(), d.grad_norm.unwrap());
+            assert!(hn > 1e25 && hn.is_finite(), "{hn}");
+            assert!((dn - hn).abs() <= 1e-6 * hn, "norm {dn} vs {hn}");
+            let (hs, ds) = (h.clip_scale.unwrap(), d.clip_scale.unwrap());
+            assert!((ds - hs).abs() <= 1e-6 * hs, "scale {ds} vs {hs}");
+            assert_eq!(device[rank].0.len(), 6);
+        }
+    }
+
+    #[test]
     fn device_buckets_report_nan_on_every_rank() {
         let options = ReduceOptions {
             check_finite: true,
             ..ReduceOptions::default()
         };
-        let outcomes = reduce_two(true, &DdpConfig::default(), &options, true);
+        let outcomes = reduce_two(true, &DdpConfig::default(), &options, true, 1.0);
         for (rank, (weight, bias, outcome)) in outcomes.iter().enumerate() {
             assert!(outcome.non_finite, "rank {rank}");
             assert_eq!(outcome.local_non_finite, rank == 1, "rank {rank}");
@@ -978,13 +1050,13 @@ mod tests {
     #[test]
     fn compressed_device_buckets_match_f32_within_16_bit_rounding() {
         let options = ReduceOptions::default();
-        let exact = reduce_two(false, &DdpConfig::default(), &options, false);
+        let exact = reduce_two(false, &DdpConfig::default(), &options, false, 1.0);
         for (compression, epsilon) in [
             (GradientCompression::Bf16, 2f32.powi(-8)),
             (GradientCompression::F16, 2f32.powi(-11)),
         ] {
             let config = DdpConfig::default().with_gradient_compression(compression);
-            let compressed = reduce_two(true, &config, &options, false);
+            let compressed = reduce_two(true, &config, &options, false, 1.0);
             let (ew, eb, _) = &exact[0];
             let (cw, cb, _) = &compressed[0];
             let values = |w: &Vec<f32>, b: &Option<Vec<f32>>| {

@@ -5,7 +5,7 @@
 //!   release mode and runs it with ARGS.
 //! - `cargo xtask bench [-- --long --out DIR]`: the benchmark, in release mode.
 //! - `cargo xtask gpu-check [--out DIR]`: builds the Fashion-MNIST example with CUDA (release,
-//!   stripped) and writes it to DIR (default `target/gpu-check`) with `run.sh`, the script that
+//!   stripped, gzipped) and writes it to DIR (default `target/gpu-check`) with `run.sh`, the script that
 //!   runs the GPU checks on a machine with a GPU and no Rust toolchain (see README).
 //! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
 //!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
@@ -98,14 +98,23 @@ const GPU_CHECK_SCRIPT: &str = r#"#!/usr/bin/env bash
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$here}"
-# NCCL: the nvidia-nccl-cu* wheel that PyTorch installs, unless BURN_DDP_NCCL_LIB is set.
+# CubeCL compiles kernels with NVRTC (libnvrtc.so.13 and its builtins): a CUDA toolkit's
+# lib64, or the nvidia-* wheels that PyTorch installs.
+nvidia_root="$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)"
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+           "$nvidia_root"/*/lib "$nvidia_root"/cu*/lib; do
+  if [ -d "$dir" ]; then LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+done
+export LD_LIBRARY_PATH
+# NCCL: the nvidia-nccl-cu* wheel, unless BURN_DDP_NCCL_LIB is set.
 if [ -z "${BURN_DDP_NCCL_LIB:-}" ]; then
   dir="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
-  if [ -n "$dir" ] && [ -f "$dir/lib/libnccl.so.2" ]; then
-    export BURN_DDP_NCCL_LIB="$dir/lib/libnccl.so.2"
-  fi
+  found="$(ls "$dir"/lib/libnccl.so.2 "$nvidia_root"/*/lib/libnccl.so.2 2>/dev/null | head -n 1)"
+  if [ -n "$found" ]; then export BURN_DDP_NCCL_LIB="$found"; fi
 fi
 echo "NCCL: ${BURN_DDP_NCCL_LIB:-<dynamic linker search>}" >&2
+echo "NVRTC: $( (ldconfig -p 2>/dev/null | grep -o '/[^ ]*libnvrtc.so[^ ]*'; \
+  for d in ${LD_LIBRARY_PATH//:/ }; do ls "$d"/libnvrtc.so* 2>/dev/null; done) | head -n 3 | tr '\n' ' ')" >&2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
 # Fashion-MNIST when installed, else synthetic images of the same shape (the check measures
 # step times, not accuracy).
@@ -124,8 +133,16 @@ for prefix, n in (("train", 60000), ("t10k", 10000)):
 PY
   echo "data: synthetic ($data)" >&2
 fi
-"$here/fashion-mnist" gpu-check --data "$data" "$@" | tee "$out/gpu-check.json"
-exit "${PIPESTATUS[0]}"
+# The summary goes to a file, rewritten after each phase (NCCL_DEBUG output on stdout cannot
+# corrupt it, and a run cut short keeps the finished phases).
+# The binary travels gzipped.
+bin=/tmp/burn-ddp-gpu-check-bin
+mkdir -p "$bin"
+gunzip -c "$here/fashion-mnist.gz" > "$bin/fashion-mnist" && chmod +x "$bin/fashion-mnist" || exit 1
+"$bin/fashion-mnist" gpu-check --data "$data" --out "$out/gpu-check.json" "$@" >&2
+status=$?
+cat "$out/gpu-check.json" 2>/dev/null
+exit "$status"
 "#;
 
 fn gpu_check(out: &std::path::Path) -> ExitCode {
@@ -145,11 +162,22 @@ fn gpu_check(out: &std::path::Path) -> ExitCode {
         std::fs::create_dir_all(out)?;
         let binary = out.join("fashion-mnist");
         std::fs::copy(target_dir().join("release/fashion-mnist"), &binary)?;
-        // Keep what travels small: symbols are not needed there.
+        // Keep what travels small: no symbols, and gzip (about a third of the size); run.sh
+        // unpacks it.
         let stripped = Command::new("strip").arg(&binary).status();
         if !stripped.is_ok_and(|s| s.success()) {
             eprintln!("warning: `strip` failed or is missing; the binary travels unstripped");
         }
+        let packed = out.join("fashion-mnist.gz");
+        {
+            let mut reader = std::fs::File::open(&binary)?;
+            let file = std::fs::File::create(&packed)?;
+            let mut encoder = flate2::write::GzEncoder::new(file, flate2::Compression::default());
+            std::io::copy(&mut reader, &mut encoder)?;
+            encoder.finish()?.sync_all()?;
+        }
+        std::fs::remove_file(&binary)?;
+        let binary = packed;
         let script = out.join("run.sh");
         std::fs::write(&script, GPU_CHECK_SCRIPT)?;
         #[cfg(unix)]
@@ -162,11 +190,10 @@ fn gpu_check(out: &std::path::Path) -> ExitCode {
     match written {
         Ok(bytes) => {
             println!(
-                "GPU check ready in {}: fashion-mnist ({:.1} MiB) and run.sh.
-                 On the GPU machine: bash {}/run.sh   (prints and writes gpu-check.json)",
-                out.display(),
+                "GPU check ready in {dir}: fashion-mnist.gz ({:.1} MiB) and run.sh.\n\
+                 On the GPU machine: bash {dir}/run.sh (prints and writes gpu-check.json)",
                 bytes as f64 / (1024.0 * 1024.0),
-                out.display()
+                dir = out.display()
             );
             ExitCode::SUCCESS
         }

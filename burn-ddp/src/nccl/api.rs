@@ -117,9 +117,59 @@ impl NcclUniqueId {
     }
 }
 
-/// `ncclConfig_t` as NCCL 2.17 lays it out. NCCL reads a caller's configuration by its `size`
-/// and `version` fields, so later libraries accept this older layout; the fields not set stay
-/// at `NCCL_CONFIG_UNDEF_INT` (NCCL's defaults).
+impl NcclUniqueId {
+    /// Shares a communicator id through a rendezvous store, as PyTorch's `ProcessGroupNCCL` does:
+    /// rank 0 creates it (`ncclGetUniqueId`, through `api`) and [publishes](Self::publish) it
+    /// under `key`; every other rank [reads](Self::read) it, waiting up to `timeout`. Pass the
+    /// result as [`NcclIdSource::Given`](crate::nccl::NcclIdSource::Given). Use a fresh `key`
+    /// per communicator (e.g. with the restart count in it).
+    ///
+    /// # Errors
+    /// The store's errors ([`DdpError::Store`] naming the key after `timeout`), NCCL's
+    /// ([`DdpError::Nccl`]), [`DdpError::InvalidConfig`] for a value that is not an id.
+    pub fn share_through_store(
+        api: &NcclApi,
+        store: &crate::store::StoreClient,
+        key: &str,
+        rank: usize,
+        timeout: std::time::Duration,
+    ) -> Result<Self> {
+        if rank == 0 {
+            let id = api.unique_id(rank)?;
+            id.publish(store, key)?;
+            Ok(id)
+        } else {
+            Self::read(store, key, timeout)
+        }
+    }
+
+    /// Sets `key` in `store` to this id (256 hex digits).
+    ///
+    /// # Errors
+    /// [`DdpError::Store`] when the store cannot be reached.
+    pub fn publish(&self, store: &crate::store::StoreClient, key: &str) -> Result<()> {
+        store.set(key, self.to_hex().as_bytes())
+    }
+
+    /// The id under `key` in `store`, waiting up to `timeout` for it to be set.
+    ///
+    /// # Errors
+    /// [`DdpError::Store`] after `timeout`; [`DdpError::InvalidConfig`] when the value is not an
+    /// id.
+    pub fn read(
+        store: &crate::store::StoreClient,
+        key: &str,
+        timeout: std::time::Duration,
+    ) -> Result<Self> {
+        let value = store.get(key, timeout)?;
+        Self::from_hex(&String::from_utf8_lossy(&value))
+    }
+}
+
+/// `ncclConfig_t` as NCCL 2.18 lays it out, plus 2.25's `trafficClass` (which fills what would
+/// be padding). NCCL copies `min(size, its own size)` bytes of a caller's configuration and
+/// resets the fields newer than `version`, so later libraries accept this layout; the fields
+/// not set stay at `NCCL_CONFIG_UNDEF_INT` (NCCL's defaults).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct NcclConfig {
@@ -134,6 +184,8 @@ pub struct NcclConfig {
     max_ctas: c_int,
     net_name: *const c_char,
     split_share: c_int,
+    /// `trafficClass` in NCCL 2.25's layout; set here so no byte NCCL copies is padding.
+    traffic_class: c_int,
 }
 
 /// `NCCL_CONFIG_UNDEF_INT` (`INT_MIN`).
@@ -145,14 +197,15 @@ impl NcclConfig {
         Self {
             size: std::mem::size_of::<Self>(),
             magic: 0xcafe_beef,
-            // NCCL_VERSION(2, 17, 0): the layout above.
-            version: 2 * 10_000 + 17 * 100,
+            // NCCL_VERSION(2, 18, 0): the layout above (NCCL ignores `trafficClass` below 2.25).
+            version: 2 * 10_000 + 18 * 100,
             blocking: c_int::from(blocking),
             cga_cluster_size: NCCL_CONFIG_UNDEF_INT,
             min_ctas: NCCL_CONFIG_UNDEF_INT,
             max_ctas: NCCL_CONFIG_UNDEF_INT,
             net_name: std::ptr::null(),
             split_share: NCCL_CONFIG_UNDEF_INT,
+            traffic_class: NCCL_CONFIG_UNDEF_INT,
         }
     }
 }
@@ -198,6 +251,8 @@ pub struct NcclApi {
     pub(crate) comm_init_rank_config: CommInitRankConfig,
     pub(crate) comm_get_async_error: CommGetAsyncError,
     pub(crate) comm_abort: CommOnly,
+    pub(crate) comm_finalize: CommOnly,
+    pub(crate) comm_destroy: CommOnly,
     pub(crate) all_reduce: AllReduce,
     pub(crate) broadcast: Broadcast,
     pub(crate) all_gather: AllGather,
@@ -216,8 +271,9 @@ impl std::fmt::Debug for NcclApi {
     }
 }
 
-/// NCCL 2.17: non-blocking communicators with `ncclConfig_t` (and `ncclAvg`, from 2.10).
-pub const NCCL_MIN_VERSION: i32 = 21_700;
+/// NCCL 2.18: non-blocking communicators with `ncclConfig_t` in the layout of [`NcclConfig`]
+/// (and `ncclAvg`, from 2.10).
+pub const NCCL_MIN_VERSION: i32 = 21_800;
 
 /// `major.minor.patch` of an `ncclGetVersion` code (`major * 10000 + minor * 100 + patch` since
 /// NCCL 2.9).
@@ -237,7 +293,7 @@ impl NcclApi {
         let missing = |name: &str, e: libloading::Error| DdpError::LibraryNotFound {
             library: "NCCL".into(),
             searched: vec![path.clone()],
-            detail: format!("{path} has no `{name}` ({e}); burn-ddp needs NCCL 2.17 or later"),
+            detail: format!("{path} has no `{name}` ({e}); burn-ddp needs NCCL 2.18 or later"),
             hint: super::library::NCCL_HINT.into(),
         };
         macro_rules! symbol {
@@ -279,6 +335,8 @@ impl NcclApi {
             comm_init_rank_config: symbol!("ncclCommInitRankConfig", CommInitRankConfig),
             comm_get_async_error: symbol!("ncclCommGetAsyncError", CommGetAsyncError),
             comm_abort: symbol!("ncclCommAbort", CommOnly),
+            comm_finalize: symbol!("ncclCommFinalize", CommOnly),
+            comm_destroy: symbol!("ncclCommDestroy", CommOnly),
             all_reduce: symbol!("ncclAllReduce", AllReduce),
             broadcast: symbol!("ncclBroadcast", Broadcast),
             all_gather: symbol!("ncclAllGather", AllGather),
@@ -382,28 +440,57 @@ mod tests {
     }
 
     #[test]
-    fn config_is_the_nccl_2_17_initializer() {
+    fn config_is_the_nccl_2_18_initializer() {
         let config = NcclConfig::new(false);
-        // size_t + 2 unsigned + 4 int + pointer + int, padded to 8 on 64-bit targets.
-        assert_eq!(
-            config.size,
-            if cfg!(target_pointer_width = "64") {
-                48
-            } else {
-                36
-            }
-        );
+        // size_t + 2 unsigned + 4 int + pointer + 2 int: no padding on 64-bit targets.
+        let expected = if cfg!(target_pointer_width = "64") {
+            48
+        } else {
+            40
+        };
+        assert_eq!(config.size, expected);
+        assert_eq!(std::mem::size_of::<NcclConfig>(), expected);
         assert_eq!(config.magic, 0xcafe_beef);
-        assert_eq!(config.version, 21_700);
+        assert_eq!(config.version, 21_800);
         assert_eq!(config.blocking, 0);
         assert_eq!(config.min_ctas, i32::MIN);
+        assert_eq!(config.split_share, i32::MIN);
+        assert_eq!(config.traffic_class, i32::MIN);
         assert_eq!(NcclConfig::new(true).blocking, 1);
+    }
+
+    #[test]
+    fn unique_ids_travel_through_the_rendezvous_store() {
+        use crate::store::{StoreClient, StoreServer};
+        use std::time::Duration;
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = server.local_addr().to_string();
+        let client = StoreClient::connect(&addr, Duration::from_secs(10)).unwrap();
+        let id = NcclUniqueId {
+            bytes: std::array::from_fn(|i| (255 - i) as u8),
+        };
+        id.publish(&client, "nccl/0").unwrap();
+        let other = StoreClient::connect(&addr, Duration::from_secs(10)).unwrap();
+        assert_eq!(
+            NcclUniqueId::read(&other, "nccl/0", Duration::from_secs(10)).unwrap(),
+            id
+        );
+        // Not published: the store's timeout, naming the key.
+        let err = NcclUniqueId::read(&other, "nccl/1", Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(err, DdpError::Store { .. }), "{err:?}");
+        assert!(err.to_string().contains("nccl/1"), "{err}");
+        // Not an id.
+        client.set("nccl/2", b"not hex").unwrap();
+        assert!(matches!(
+            NcclUniqueId::read(&other, "nccl/2", Duration::from_secs(10)),
+            Err(DdpError::InvalidConfig(_))
+        ));
     }
 
     #[test]
     fn versions_read_as_major_minor_patch() {
         assert_eq!(version_string(22_703), "2.27.3");
-        assert_eq!(version_string(NCCL_MIN_VERSION), "2.17.0");
+        assert_eq!(version_string(NCCL_MIN_VERSION), "2.18.0");
         assert_eq!(nccl_op(ReduceOp::Avg), redop::AVG);
         assert_eq!(nccl_op(ReduceOp::Sum), redop::SUM);
     }

@@ -35,6 +35,9 @@ use super::api::{
 use crate::group::{Collective, ProcessGroup, ReduceOp};
 use crate::{DdpError, Result};
 
+/// How long dropping a group waits for `ncclCommFinalize` before aborting the communicator.
+const FINALIZE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Burn-cuda's backend without fusion (`burn::backend::Cuda` when burn-cuda's `fusion` feature
 /// is off); with fusion, its tensors are resolved to this backend's `CubeTensor`.
 type CudaCube = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -337,8 +340,13 @@ impl NcclGroup {
     /// Aborts the communicator (once) and records why.
     fn break_comm(&self, cuda: &mut Cuda, why: &str) {
         if cuda.broken.is_none() {
-            // SAFETY: the communicator is valid and not used again once `broken` is set.
-            unsafe { (self.api.comm_abort)(cuda.comm) };
+            // SAFETY: the communicator is valid and not used again once `broken` is set. The
+            // abort makes NCCL's kernels exit; waiting for the stream then guarantees nothing
+            // writes a buffer that the caller releases after the error.
+            unsafe {
+                (self.api.comm_abort)(cuda.comm);
+                let _ = cu::stream::synchronize(cuda.stream);
+            }
             cuda.broken = Some(why.to_string());
         }
     }
@@ -550,9 +558,6 @@ impl NcclGroup {
             }
         }
         let bytes = (len * element_bytes) as u64;
-        // (1) Finish the work that writes the bucket (and, for an output, any earlier reader).
-        cubecl::future::block_on(src.client.sync())
-            .map_err(|e| layout(format!("the device failed before the all-reduce: {e:?}")))?;
         let resource = |t: &CubeTensor<CudaRuntime>| {
             t.client
                 .get_resource(t.handle.clone())
@@ -564,6 +569,16 @@ impl NcclGroup {
             Some(dst) => Some(resource(dst)?),
             None => None,
         };
+        // (1) Finish the work that writes the bucket (and, for an output, any earlier reader).
+        // After `get_resource`: it makes this thread's CubeCL stream wait for the stream that
+        // last wrote each buffer, and the sync then covers that wait too.
+        cubecl::future::block_on(src.client.sync()).map_err(|e| DdpError::Nccl {
+            rank: self.rank,
+            op: name.into(),
+            seq,
+            code: "device error".into(),
+            detail: format!("the device failed before the all-reduce: {e:?}"),
+        })?;
         let send_ptr = send.resource().ptr;
         let recv_ptr = recv.as_ref().map_or(send_ptr, |r| r.resource().ptr);
         for (what, size) in [
@@ -831,8 +846,32 @@ impl Drop for NcclGroup {
         unsafe {
             let _ = cu::ctx::set_current(cuda.ctx);
             if cuda.broken.is_none() {
-                // A non-blocking communicator may still be finalising; abort is always safe.
-                let _ = (self.api.comm_abort)(cuda.comm);
+                // Finalize flushes what peers may still be receiving; bounded, then destroy. A
+                // communicator that does not finish in time is aborted instead.
+                let mut finished = false;
+                let code = (self.api.comm_finalize)(cuda.comm);
+                if code == NCCL_SUCCESS || code == NCCL_IN_PROGRESS {
+                    let deadline = Instant::now() + FINALIZE_TIMEOUT;
+                    let mut polls = 0u32;
+                    loop {
+                        let mut state = NCCL_SUCCESS;
+                        let code = (self.api.comm_get_async_error)(cuda.comm, &mut state);
+                        if code != NCCL_SUCCESS || state != NCCL_IN_PROGRESS {
+                            finished = code == NCCL_SUCCESS && state == NCCL_SUCCESS;
+                            break;
+                        }
+                        if Instant::now() > deadline {
+                            break;
+                        }
+                        backoff(&mut polls);
+                    }
+                }
+                if finished {
+                    let _ = (self.api.comm_destroy)(cuda.comm);
+                } else {
+                    let _ = (self.api.comm_abort)(cuda.comm);
+                }
+                let _ = cu::stream::synchronize(cuda.stream);
             }
             if cuda.scratch != 0 {
                 let _ = cu::free_sync(cuda.scratch);

@@ -1,19 +1,26 @@
 //! `fashion-mnist gpu-check`: the checks of the CUDA path that need a GPU, as one JSON summary.
 //!
 //! Built and shipped by `cargo xtask gpu-check` (one stripped binary and a script); run on a
-//! machine with one GPU, so NCCL runs with a world size of 1:
+//! machine with one GPU, so NCCL runs with a world size of 1. Over one rank an in-place sum is a
+//! no-op for NCCL, so the value checks run **out of place**, from a bucket into a zeroed output
+//! (a real copy through the pointers the group computed), and look at the output's neighbours:
 //!
 //! 1. `exact`: NCCL all-reduce over real burn-cuda bucket tensors (with and without Burn's
-//!    fusion, f32 and bf16, sum and average, through `NcclGroup::all_reduce_device` and the
-//!    compression helpers) gives exactly the expected values; so do the host-buffer collectives
-//!    (all-reduce, broadcast, barrier, all-gather).
-//! 2. `steps`: 1000 consecutive out-of-place all-reduces of freshly computed tensors (sizes from
-//!    1 to 4 Mi values, at offsets inside larger buffers) into freshly zeroed outputs, each read by
-//!    Burn right after: a missed synchronisation reads zeros or stale values, a wrong pointer or
-//!    offset reads other values. Counts mismatches.
-//! 3. `training`: this binary trains one epoch with `--workers 1` (plain Burn) and with
-//!    `--workers 1 --ddp` (DdpStrategy), each in its own process, and reports the ratio of their
-//!    step times.
+//!    fusion; f32, bf16 and f16; sum and average) gives exactly the expected values in the output
+//!    slice and leaves the zeros around it alone; the in-place path (an average, which NCCL runs
+//!    as a scaling kernel) and the compression helpers keep the values; the host-buffer
+//!    collectives (all-reduce, broadcast, barrier, all-gather) return the expected values.
+//! 2. `steps`: 1000 consecutive out-of-place all-reduces of freshly computed tensors and of bare
+//!    slices of a larger buffer (sizes from 1 to 4 Mi values, at varying offsets) into slices of
+//!    a freshly zeroed buffer, each read by Burn right after: a missed synchronisation reads zeros
+//!    or stale values, a wrong pointer or offset reads or writes the wrong place.
+//! 3. `training`: one epoch of the example with `--workers 1` (plain Burn) and with
+//!    `--workers 1 --ddp` (DdpStrategy), each in its own process, after a short warm-up run (kernel
+//!    compilation and autotune caches), in the order plain, ddp, ddp, plain; the ratio of their
+//!    mean step times.
+//!
+//! With `--out FILE` the summary is rewritten after every phase, so a run cut short keeps what
+//! finished.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -22,19 +29,21 @@ use std::time::{Duration, Instant};
 use burn::backend::Cuda;
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
 use burn_ddp::ThreadGroup;
 use burn_ddp::group::{ProcessGroup, ReduceOp};
 use burn_ddp::nccl::compress::{compress, decompress};
 use burn_ddp::nccl::{GradientCompression, NcclGroup, NcclIdSource};
+use serde_json::{Value, json};
 
 /// burn-cuda without fusion: the other tensor type the group resolves.
 type CudaPlain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Runs the checks; `args` are the arguments after `gpu-check`. Prints the JSON summary and
-/// returns whether every check passed.
+/// Runs the checks; `args` are the arguments after `gpu-check` (`--data DIR`, `--out FILE`,
+/// `--steps N`, `--skip-training`). Prints the JSON summary and returns whether every check
+/// passed.
 pub fn run(args: &[String]) -> Result<bool, String> {
     let value = |flag: &str| {
         args.iter()
@@ -45,36 +54,60 @@ pub fn run(args: &[String]) -> Result<bool, String> {
     let steps: usize =
         value("--steps").map_or(Ok(1000), |s| s.parse().map_err(|e| format!("--steps: {e}")))?;
     let data = value("--data");
+    let out = value("--out");
     let skip_training = args.iter().any(|a| a == "--skip-training");
 
-    burn_ddp::nccl::check_cuda_driver().map_err(|e| e.to_string())?;
-    let host = ThreadGroup::new_group(1)
-        .map_err(|e| e.to_string())?
-        .remove(0);
+    let mut summary = json!({"passed": false});
+    let save = |summary: &Value| {
+        if let Some(out) = &out {
+            let text = serde_json::to_string_pretty(summary).unwrap_or_default();
+            if let Err(e) = std::fs::write(out, text + "\n") {
+                eprintln!("warning: cannot write {out}: {e}");
+            }
+        }
+    };
     let started = Instant::now();
-    let group = NcclGroup::new(Arc::new(host), 0, NcclIdSource::HostGroup, TIMEOUT)
-        .map_err(|e| e.to_string())?;
-    let init_s = started.elapsed().as_secs_f64();
+    let built = burn_ddp::nccl::check_cuda_driver()
+        .and_then(|()| ThreadGroup::new_group(1))
+        .and_then(|mut host| {
+            NcclGroup::new(
+                Arc::new(host.remove(0)),
+                0,
+                NcclIdSource::HostGroup,
+                TIMEOUT,
+            )
+        });
+    let group = match built {
+        Ok(group) => group,
+        Err(e) => {
+            summary["error"] = e.to_string().into();
+            save(&summary);
+            return Err(e.to_string());
+        }
+    };
+    summary["nccl_version"] = burn_ddp::nccl::api::version_string(group.nccl_version()).into();
+    summary["nccl_init_s"] = started.elapsed().as_secs_f64().into();
+    save(&summary);
 
     let exact = exact_values(&group);
+    let exact_ok = exact["passed"].as_bool() == Some(true);
+    summary["exact"] = exact;
+    save(&summary);
     let steps = consecutive_steps(&group, steps);
+    let steps_ok = steps["mismatches"].as_u64() == Some(0) && steps["errors"].as_u64() == Some(0);
+    summary["steps"] = steps;
+    save(&summary);
+    drop(group);
     let training = if skip_training {
-        serde_json::json!({"skipped": true})
+        json!({"skipped": true})
     } else {
         training_ratio(data.as_deref())
     };
-    let passed = exact["passed"].as_bool() == Some(true)
-        && steps["mismatches"].as_u64() == Some(0)
-        && steps["errors"].as_u64() == Some(0)
-        && training.get("error").is_none();
-    let summary = serde_json::json!({
-        "passed": passed,
-        "nccl_version": burn_ddp::nccl::api::version_string(group.nccl_version()),
-        "nccl_init_s": init_s,
-        "exact": exact,
-        "steps": steps,
-        "training": training,
-    });
+    let training_ok = training.get("error").is_none();
+    summary["training"] = training;
+    let passed = exact_ok && steps_ok && training_ok;
+    summary["passed"] = passed.into();
+    save(&summary);
     println!(
         "{}",
         serde_json::to_string_pretty(&summary).unwrap_or_default()
@@ -82,7 +115,7 @@ pub fn run(args: &[String]) -> Result<bool, String> {
     Ok(passed)
 }
 
-/// Distinct values that bf16 represents exactly (small integers times powers of two), so a sum or
+/// Distinct values that bf16 and f16 represent exactly (small integers times 1/8), so a sum or
 /// average over one rank must return them bit for bit.
 fn values(len: usize, salt: usize) -> Vec<f32> {
     (0..len)
@@ -90,73 +123,102 @@ fn values(len: usize, salt: usize) -> Vec<f32> {
         .collect()
 }
 
-/// All-reduces a bucket of backend `B` in place through the group's device path and reads it
-/// back as f32.
-fn reduce_device<B: Backend>(
-    group: &NcclGroup,
-    bucket: Tensor<B, 1>,
-    op: ReduceOp,
-) -> Result<Vec<f32>, String> {
-    let mut primitive = bucket.into_primitive().tensor();
-    if !group
-        .all_reduce_device(&mut primitive, op, TIMEOUT)
-        .map_err(|e| e.to_string())?
-    {
-        return Err("the NCCL group did not take a burn-cuda tensor".into());
-    }
-    let reduced = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(primitive));
-    reduced
+fn read<B: Backend>(tensor: Tensor<B, 1>) -> Result<Vec<f32>, String> {
+    tensor
         .into_data()
         .convert::<f32>()
         .to_vec::<f32>()
         .map_err(|e| format!("{e:?}"))
 }
 
+fn primitive<B: Backend>(tensor: &Tensor<B, 1>) -> B::FloatTensorPrimitive {
+    tensor.clone().into_primitive().tensor()
+}
+
+/// One value check: `expected` computed on the device in `dtype`, all-reduced out of place into
+/// a slice of a zeroed buffer with `GUARD` zeros on each side (or in place when `in_place`).
 fn exact_case<B: Backend>(
     group: &NcclGroup,
     device: &B::Device,
     dtype: Option<FloatDType>,
     op: ReduceOp,
-) -> serde_json::Value {
+    in_place: bool,
+) -> Value {
+    const GUARD: usize = 4096;
     let expected = values(100_003, 1);
-    // Computed on the device (pending work when the all-reduce starts).
-    let bucket =
-        Tensor::<B, 1>::from_data(TensorData::new(expected.clone(), [expected.len()]), device)
-            .mul_scalar(2.0)
-            .div_scalar(2.0);
+    let len = expected.len();
+    // Computed on the device: pending work when the all-reduce starts.
+    let bucket = Tensor::<B, 1>::from_data(TensorData::new(expected.clone(), [len]), device)
+        .mul_scalar(2.0)
+        .div_scalar(2.0);
     let bucket = match dtype {
         Some(dtype) => bucket.cast(dtype),
         None => bucket,
     };
     let wire = format!("{:?}", bucket.dtype());
-    let result = reduce_device(group, bucket, op);
-    let mismatches = match &result {
-        Ok(got) => got.iter().zip(&expected).filter(|(g, e)| g != e).count(),
-        Err(_) => expected.len(),
+    let result: Result<(Vec<f32>, f32), String> = (|| {
+        if in_place {
+            let mut p = primitive(&bucket);
+            if !group
+                .all_reduce_device(&mut p, op, TIMEOUT)
+                .map_err(|e| e.to_string())?
+            {
+                return Err("the NCCL group did not take a burn-cuda tensor".into());
+            }
+            let reduced = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(p));
+            return Ok((read(reduced)?, 0.0));
+        }
+        let zeros = Tensor::<B, 1>::zeros([len + 2 * GUARD], device);
+        let zeros = match dtype {
+            Some(dtype) => zeros.cast(dtype),
+            None => zeros,
+        };
+        let output = zeros.clone().slice(GUARD..GUARD + len);
+        group
+            .all_reduce_into(&primitive(&bucket), &primitive(&output), op, TIMEOUT)
+            .map_err(|e| e.to_string())?;
+        let guards = zeros.clone().slice(0..GUARD).abs().sum()
+            + zeros.slice(GUARD + len..len + 2 * GUARD).abs().sum();
+        Ok((read(output)?, read(guards)?[0]))
+    })();
+    let (mismatches, guards) = match &result {
+        Ok((got, guards)) => (
+            got.iter().zip(&expected).filter(|(g, e)| g != e).count()
+                + got.len().abs_diff(expected.len()),
+            *guards,
+        ),
+        Err(_) => (len, 0.0),
     };
-    serde_json::json!({
+    json!({
         "dtype": wire,
         "op": op.to_string(),
-        "values": expected.len(),
+        "in_place": in_place,
+        "values": len,
         "mismatches": mismatches,
+        "guard_sum": guards,
         "error": result.err(),
     })
 }
 
-fn exact_values(group: &NcclGroup) -> serde_json::Value {
+fn exact_values(group: &NcclGroup) -> Value {
     let device = CudaDevice::new(0);
     let mut cases = Vec::new();
     for op in [ReduceOp::Sum, ReduceOp::Avg] {
-        for dtype in [None, Some(FloatDType::BF16)] {
-            let mut case = exact_case::<Cuda>(group, &device, dtype, op);
+        for dtype in [None, Some(FloatDType::BF16), Some(FloatDType::F16)] {
+            let mut case = exact_case::<Cuda>(group, &device, dtype, op, false);
             case["fusion"] = true.into();
             cases.push(case);
-            let mut case = exact_case::<CudaPlain>(group, &device, dtype, op);
+            let mut case = exact_case::<CudaPlain>(group, &device, dtype, op, false);
             case["fusion"] = false.into();
             cases.push(case);
         }
     }
-    // The compression helpers around the all-reduce, as the reducer uses them.
+    for dtype in [None, Some(FloatDType::BF16)] {
+        let mut case = exact_case::<Cuda>(group, &device, dtype, ReduceOp::Avg, true);
+        case["fusion"] = true.into();
+        cases.push(case);
+    }
+    // The compression helpers around the in-place all-reduce, as the reducer uses them.
     for compression in [GradientCompression::Bf16, GradientCompression::F16] {
         let expected = values(4097, 3);
         let bucket = Tensor::<Cuda, 1>::from_data(
@@ -164,31 +226,40 @@ fn exact_values(group: &NcclGroup) -> serde_json::Value {
             &device,
         );
         let (wire, op) = compress(bucket, ReduceOp::Avg, 1, compression);
-        let dtype = wire.dtype();
-        let result = reduce_device(group, wire.clone(), op).and_then(|_| {
-            decompress(wire, compression)
-                .into_data()
-                .to_vec::<f32>()
-                .map_err(|e| format!("{e:?}"))
-        });
+        let dtype = format!("{:?}", wire.dtype());
+        let mut p = primitive(&wire);
+        let result = group
+            .all_reduce_device(&mut p, op, TIMEOUT)
+            .map_err(|e| e.to_string())
+            .and_then(|_| {
+                let wire = Tensor::<Cuda, 1>::from_primitive(TensorPrimitive::Float(p));
+                read(decompress(wire, compression))
+            });
         let mismatches = match &result {
             Ok(got) => got.iter().zip(&expected).filter(|(g, e)| g != e).count(),
             Err(_) => expected.len(),
         };
-        cases.push(serde_json::json!({
-            "dtype": format!("{dtype:?}"),
+        cases.push(json!({
+            "dtype": dtype,
             "op": "avg (compressed)",
+            "in_place": true,
             "values": expected.len(),
             "mismatches": mismatches,
+            "guard_sum": 0.0,
             "error": result.err(),
         }));
-        debug_assert!(matches!(dtype, DType::BF16 | DType::F16));
     }
     // Host-buffer collectives.
     let mut host = Vec::new();
     let mut buffer = values(1000, 5);
     let expected = buffer.clone();
-    let check = |name: &str, result: burn_ddp::Result<bool>| serde_json::json!({"op": name, "ok": result.as_ref().is_ok_and(|ok| *ok), "error": result.err().map(|e| e.to_string())});
+    let check = |name: &str, result: burn_ddp::Result<bool>| {
+        json!({
+            "op": name,
+            "ok": result.as_ref().is_ok_and(|ok| *ok),
+            "error": result.err().map(|e| e.to_string()),
+        })
+    };
     host.push(check(
         "all_reduce",
         group
@@ -208,14 +279,15 @@ fn exact_values(group: &NcclGroup) -> serde_json::Value {
             .all_gather(&[7, u64::MAX, 42], TIMEOUT)
             .map(|all| all == [7, u64::MAX, 42]),
     ));
-    let passed = cases
-        .iter()
-        .all(|c| c["mismatches"].as_u64() == Some(0) && c["error"].is_null())
-        && host.iter().all(|h| h["ok"].as_bool() == Some(true));
-    serde_json::json!({"passed": passed, "device": cases, "host": host})
+    let passed = cases.iter().all(|c| {
+        c["mismatches"].as_u64() == Some(0)
+            && c["guard_sum"].as_f64() == Some(0.0)
+            && c["error"].is_null()
+    }) && host.iter().all(|h| h["ok"].as_bool() == Some(true));
+    json!({"passed": passed, "device": cases, "host": host})
 }
 
-fn consecutive_steps(group: &NcclGroup, steps: usize) -> serde_json::Value {
+fn consecutive_steps(group: &NcclGroup, steps: usize) -> Value {
     let device = CudaDevice::new(0);
     let sizes = [1usize, 3, 1000, 65_537, 1 << 20, 4 << 20];
     let big = 5 << 20;
@@ -223,31 +295,46 @@ fn consecutive_steps(group: &NcclGroup, steps: usize) -> serde_json::Value {
     let mut mismatches = 0u64;
     let mut errors = 0u64;
     let mut first_error = None;
+    let mut first_mismatch = None;
     let started = Instant::now();
     for step in 0..steps {
         let len = sizes[step % sizes.len()];
         let offset = (step * 4099) % (big - len);
-        let scale = (step % 7) as f32 + 1.0;
-        // Freshly computed input (pending in Burn's queues) and a freshly zeroed output.
-        let src = base.clone().slice(offset..offset + len).mul_scalar(scale);
-        let dst = Tensor::<Cuda, 1>::zeros([len], &device);
-        let src_p = src.clone().into_primitive().tensor();
-        let dst_p = dst.clone().into_primitive().tensor();
-        if let Err(e) = group.all_reduce_into(&src_p, &dst_p, ReduceOp::Sum, TIMEOUT) {
+        // Even steps: a freshly computed input (pending in Burn's queues); odd steps: a bare
+        // slice of `base` (a buffer at an offset, when CubeCL slices without copying).
+        let src = if step % 2 == 0 {
+            base.clone()
+                .slice(offset..offset + len)
+                .mul_scalar((step % 7) as f32 + 1.0)
+        } else {
+            base.clone().slice(offset..offset + len)
+        };
+        // A freshly zeroed buffer; the output is a slice of it, with zeros on both sides.
+        let out_at = (step * 31) % 1024 + 1;
+        let zeros = Tensor::<Cuda, 1>::zeros([len + out_at + 1024], &device);
+        let dst = zeros.clone().slice(out_at..out_at + len);
+        if let Err(e) =
+            group.all_reduce_into(&primitive(&src), &primitive(&dst), ReduceOp::Sum, TIMEOUT)
+        {
             errors += 1;
             first_error.get_or_insert(e.to_string());
             continue;
         }
-        drop((src_p, dst_p));
-        // Read by Burn right after: over one rank the sum is the input.
-        let wrong: f32 = (dst - src).abs().max().into_scalar();
+        // Read by Burn right after: over one rank the sum is the input, and nothing else moved.
+        let wrong = (dst - src).abs().max()
+            + zeros.clone().slice(0..out_at).abs().sum()
+            + zeros.slice(out_at + len..len + out_at + 1024).abs().sum();
+        let wrong: f32 = wrong.into_scalar();
         if wrong != 0.0 {
             mismatches += 1;
+            first_mismatch
+                .get_or_insert(json!({"step": step, "len": len, "offset": offset, "error": wrong}));
         }
     }
-    serde_json::json!({
+    json!({
         "steps": steps,
         "mismatches": mismatches,
+        "first_mismatch": first_mismatch,
         "errors": errors,
         "first_error": first_error,
         "seconds": started.elapsed().as_secs_f64(),
@@ -268,61 +355,79 @@ fn parse_epoch(stdout: &str) -> Option<(f64, f64)> {
         .trim()
         .parse()
         .ok()?;
-    let rate = line
-        .split(", ")
-        .find(|p| p.ends_with("samples/s") || p.contains(" samples/s"))?;
+    let rate = line.split(", ").find(|p| p.contains(" samples/s"))?;
     let rate = rate.split_whitespace().next()?.parse().ok()?;
     Some((rate, loss))
 }
 
-fn training_ratio(data: Option<&str>) -> serde_json::Value {
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => return serde_json::json!({"error": e.to_string()}),
-    };
-    let mut runs = serde_json::Map::new();
-    let mut rates = Vec::new();
-    for (name, ddp) in [("plain_burn", false), ("ddp_world_size_1", true)] {
-        let mut command = Command::new(&exe);
-        command.args(["--device", "cuda", "--workers", "1", "--epochs", "1"]);
-        command.args(["--artifacts", &format!("/tmp/gpu-check-{name}")]);
-        if ddp {
-            command.arg("--ddp");
-        }
-        if let Some(data) = data {
-            command.args(["--data", data]);
-        }
-        let output = match command.output() {
-            Ok(output) => output,
-            Err(e) => return serde_json::json!({"error": format!("{name}: {e}")}),
-        };
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        match parse_epoch(&stdout) {
-            Some((rate, loss)) if output.status.success() => {
-                rates.push(rate);
-                runs.insert(
-                    name.into(),
-                    serde_json::json!({"samples_per_s": rate, "train_loss": loss}),
-                );
-            }
-            _ => {
-                let stderr = String::from_utf8_lossy(&output.stderr);
-                let tail: String = stderr
-                    .chars()
-                    .rev()
-                    .take(1500)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .collect();
-                return serde_json::json!({"error": format!("{name} failed ({}): {tail}", output.status)});
-            }
+/// One run of this binary as the example; `(samples/s, train loss)`.
+fn train_once(
+    exe: &std::path::Path,
+    name: &str,
+    ddp: bool,
+    data: Option<&str>,
+    extra: &[&str],
+) -> Result<(f64, f64), String> {
+    let mut command = Command::new(exe);
+    command.args(["--device", "cuda", "--workers", "1", "--epochs", "1"]);
+    command.args(["--artifacts", &format!("/tmp/burn-ddp-gpu-check-{name}")]);
+    command.args(extra);
+    if ddp {
+        command.arg("--ddp");
+    }
+    if let Some(data) = data {
+        command.args(["--data", data]);
+    }
+    let output = command.output().map_err(|e| format!("{name}: {e}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    match parse_epoch(&stdout) {
+        Some(result) if output.status.success() => Ok(result),
+        _ => {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let tail: String = stderr
+                .chars()
+                .rev()
+                .take(1500)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            Err(format!("{name} failed ({}): {tail}", output.status))
         }
     }
+}
+
+fn training_ratio(data: Option<&str>) -> Value {
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return json!({"error": e.to_string()}),
+    };
+    // Warm-up: CubeCL compiles kernels and fills its autotune cache on first use.
+    if let Err(e) = train_once(&exe, "warm-up", true, data, &["--train-limit", "6400"]) {
+        return json!({"error": e});
+    }
+    let mut runs = Vec::new();
+    let (mut plain, mut ddp) = (Vec::new(), Vec::new());
+    for (name, is_ddp) in [
+        ("plain-1", false),
+        ("ddp-1", true),
+        ("ddp-2", true),
+        ("plain-2", false),
+    ] {
+        match train_once(&exe, name, is_ddp, data, &[]) {
+            Ok((rate, loss)) => {
+                runs.push(json!({"run": name, "samples_per_s": rate, "train_loss": loss}));
+                if is_ddp { &mut ddp } else { &mut plain }.push(rate);
+            }
+            Err(e) => return json!({"error": e, "runs": runs}),
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     // Same global batch, so the step-time ratio is the inverse of the throughput ratio.
-    runs.insert(
-        "step_time_ratio_ddp_over_plain".into(),
-        (rates[0] / rates[1]).into(),
-    );
-    serde_json::Value::Object(runs)
+    json!({
+        "runs": runs,
+        "plain_samples_per_s": mean(&plain),
+        "ddp_samples_per_s": mean(&ddp),
+        "step_time_ratio_ddp_over_plain": mean(&plain) / mean(&ddp),
+    })
 }
