@@ -438,14 +438,17 @@ impl Reducer {
                 }
             }
             let count = flags.len();
-            parts.push(Tensor::from_data(TensorData::new(flags, [count]), device));
-            let mut flat = Tensor::cat(parts, 0);
+            let mut values = Tensor::cat(parts, 0);
             if options.check_finite {
-                local_sums.push(non_finite_probe(flat.clone().slice(0..bucket.numel)));
+                local_sums.push(non_finite_probe(values.clone()));
             }
+            // The weight scales the gradients only: a flag says "had a gradient" whatever the
+            // weight (as on the host path).
             if options.weight != 1.0 {
-                flat = flat.mul_scalar(options.weight);
+                values = values.mul_scalar(options.weight);
             }
+            let flags = Tensor::from_data(TensorData::new(flags, [count]), device);
+            let flat = Tensor::cat(vec![values, flags], 0);
             let (wire, wire_op) = compress(flat, options.op, world_size, self.compression);
             let mut primitive = wire.into_primitive().tensor();
             let flattened = Instant::now();
@@ -960,6 +963,12 @@ mod tests {
             },
             ReduceOptions {
                 weight: 0.25,
+                op: ReduceOp::Sum,
+                ..ReduceOptions::default()
+            },
+            // Join mode's rank without samples: weight 0, but the flags still count.
+            ReduceOptions {
+                weight: 0.0,
                 op: ReduceOp::Sum,
                 ..ReduceOptions::default()
             },

@@ -2,7 +2,8 @@
 //! need nothing but cargo.
 //!
 //! - `cargo xtask example fashion-mnist [--features cuda] -- [ARGS]`: builds the example in
-//!   release mode and runs it with ARGS.
+//!   release mode and runs it with ARGS; with `--device cuda` in ARGS (or xtask's own `cuda`
+//!   feature) the example is built with its `cuda` feature.
 //! - `cargo xtask bench [-- --long --out DIR]`: the benchmark, in release mode.
 //! - `cargo xtask gpu-check [--out DIR]`: builds the Fashion-MNIST example with CUDA (release,
 //!   stripped, gzipped) and writes it to DIR (default `target/gpu-check`) with `run.sh`, the script that
@@ -81,13 +82,29 @@ fn main() -> ExitCode {
             }
             let mut cargo = cargo();
             cargo.args(["run", "--release", "--package", &name]);
-            if let Some(features) = features {
-                cargo.args(["--features", &features]);
+            match features {
+                Some(features) => {
+                    cargo.args(["--features", &features]);
+                }
+                // `--device cuda` needs the example's `cuda` feature: add it when not given
+                // (always, when xtask itself is built with its `cuda` feature).
+                None if cfg!(feature = "cuda") || wants_cuda(&args) => {
+                    cargo.args(["--features", "cuda"]);
+                }
+                None => {}
             }
             cargo.arg("--").args(&args);
             run(cargo)
         }
     }
+}
+
+/// Whether the example's arguments ask for CUDA devices (`--device cuda` or `--device=cuda`).
+fn wants_cuda(args: &[String]) -> bool {
+    args.iter().any(|a| a == "--device=cuda")
+        || args
+            .windows(2)
+            .any(|w| w[0] == "--device" && w[1] == "cuda")
 }
 
 /// The script that runs on the GPU machine, beside the binary.
@@ -100,17 +117,21 @@ here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$here}"
 # CubeCL compiles kernels with NVRTC (libnvrtc.so.13 and its builtins): a CUDA toolkit's
 # lib64, or the nvidia-* wheels that PyTorch installs.
-nvidia_root="$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)"
-for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-           "$nvidia_root"/*/lib "$nvidia_root"/cu*/lib; do
+nvidia_root="$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null)"
+wheel_libs=()
+if [ -n "$nvidia_root" ] && [ -d "$nvidia_root" ]; then
+  wheel_libs=("$nvidia_root"/*/lib)
+fi
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib "${wheel_libs[@]}"; do
   if [ -d "$dir" ]; then LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 done
-export LD_LIBRARY_PATH
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 # NCCL: the nvidia-nccl-cu* wheel, unless BURN_DDP_NCCL_LIB is set.
 if [ -z "${BURN_DDP_NCCL_LIB:-}" ]; then
   dir="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
-  found="$(ls "$dir"/lib/libnccl.so.2 "$nvidia_root"/*/lib/libnccl.so.2 2>/dev/null | head -n 1)"
-  if [ -n "$found" ]; then export BURN_DDP_NCCL_LIB="$found"; fi
+  for candidate in ${dir:+"$dir/lib/libnccl.so.2"} "${wheel_libs[@]/%//libnccl.so.2}"; do
+    if [ -f "$candidate" ]; then export BURN_DDP_NCCL_LIB="$candidate"; break; fi
+  done
 fi
 echo "NCCL: ${BURN_DDP_NCCL_LIB:-<dynamic linker search>}" >&2
 echo "NVRTC: $( (ldconfig -p 2>/dev/null | grep -o '/[^ ]*libnvrtc.so[^ ]*'; \

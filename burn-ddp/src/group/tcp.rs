@@ -42,6 +42,9 @@ const KIND_DATA: u8 = 1;
 const KIND_ABORT: u8 = 2;
 /// How long an abort frame may take to write before the peer is given up.
 const ABORT_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often [`ProcessGroup::aborted`] asks the rendezvous store whether a peer aborted (a
+/// round trip to the store; collectives that run outside TCP, NCCL's, poll it while they wait).
+const ABORT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 
 /// One rank of a process group whose ranks are processes connected by TCP.
 pub struct TcpGroup {
@@ -51,6 +54,8 @@ pub struct TcpGroup {
     peers: Vec<Option<Peer>>,
     aborted: Mutex<Option<String>>,
     rendezvous: Option<Rendezvous>,
+    /// When the store was last asked for an abort (see [`ABORT_POLL_INTERVAL`]).
+    abort_polled: Mutex<Option<Instant>>,
 }
 
 struct Peer {
@@ -356,6 +361,7 @@ impl TcpGroup {
             peers,
             aborted: Mutex::new(None),
             rendezvous: Some(rendezvous),
+            abort_polled: Mutex::new(None),
         })
     }
 
@@ -363,6 +369,11 @@ impl TcpGroup {
     /// job-wide keys).
     pub fn rendezvous(&self) -> Option<&Rendezvous> {
         self.rendezvous.as_ref()
+    }
+
+    /// The store key under which an aborting rank leaves its reason.
+    fn abort_key(rendezvous: &Rendezvous) -> String {
+        format!("{}/abort", rendezvous.prefix)
     }
 
     fn begin(&self, op: Collective, timeout: Duration) -> Result<Call> {
@@ -552,6 +563,12 @@ impl TcpGroup {
                 return;
             }
             *aborted = Some(reason.to_string());
+        }
+        // Peers whose collectives do not read these sockets (NCCL's) look in the store.
+        if let Some(rendezvous) = &self.rendezvous {
+            let _ = rendezvous
+                .store
+                .set(&Self::abort_key(rendezvous), reason.as_bytes());
         }
         let deadline = Instant::now().checked_add(ABORT_WRITE_TIMEOUT);
         for peer in self.peers.iter().flatten() {
@@ -799,8 +816,28 @@ impl ProcessGroup for TcpGroup {
         );
     }
 
+    /// This rank's abort, a peer's abort frame read during a collective, or, at most every
+    /// 100 ms, a peer's abort left in the rendezvous store (an unreachable store tells nothing).
     fn aborted(&self) -> Option<String> {
-        lock(&self.aborted).clone()
+        if let Some(reason) = lock(&self.aborted).clone() {
+            return Some(reason);
+        }
+        let rendezvous = self.rendezvous.as_ref()?;
+        {
+            let mut polled = lock(&self.abort_polled);
+            if polled.is_some_and(|at| at.elapsed() < ABORT_POLL_INTERVAL) {
+                return None;
+            }
+            *polled = Some(Instant::now());
+        }
+        let key = Self::abort_key(rendezvous);
+        if !rendezvous.store.check(&[&key]).ok()?.first().copied()? {
+            return None;
+        }
+        let reason = rendezvous.store.get(&key, Duration::from_secs(1)).ok()?;
+        let reason = String::from_utf8_lossy(&reason).into_owned();
+        let mut aborted = lock(&self.aborted);
+        Some(aborted.get_or_insert(reason).clone())
     }
 }
 
@@ -1012,6 +1049,36 @@ mod tests {
                 }
                 other => panic!("rank {rank}: expected rank 2 to be named, got {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn an_abort_reaches_peers_that_run_no_tcp_collective() {
+        // As under NCCL: rank 1 aborts while rank 0 only polls `aborted()` (bounded wait).
+        let results = run(2, |g| {
+            if g.rank() == 1 {
+                g.abort("boom");
+                // Stay in the group until rank 0 has seen it.
+                std::thread::sleep(Duration::from_millis(1500));
+                return g.aborted();
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Some(reason) = g.aborted() {
+                    return Some(reason);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            None
+        });
+        for (rank, reason) in results.iter().enumerate() {
+            let reason = reason
+                .as_deref()
+                .unwrap_or_else(|| panic!("rank {rank} saw no abort"));
+            assert!(
+                reason.contains("rank 1 aborted the group: boom"),
+                "{reason}"
+            );
         }
     }
 

@@ -1,4 +1,5 @@
-//! The NCCL C API, loaded at run time from the library [`open_nccl`] finds.
+//! The NCCL C API, loaded at run time ([`NcclApi::load`]: the first candidate of
+//! [`library`](super::library) that is NCCL 2.18 or later).
 //!
 //! Every function is declared with C `int` arguments and results instead of Rust enums, so a
 //! result code or data type that a newer NCCL adds cannot be undefined behaviour; the constants
@@ -7,7 +8,10 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
-use super::library::{nccl_result_advice, nccl_result_name, open_nccl};
+use super::library::{
+    NCCL_HINT, NCCL_LIB_ENV, nccl_candidates, nccl_result_advice, nccl_result_name, open_first,
+    python_package_roots,
+};
 use crate::group::ReduceOp;
 use crate::{DdpError, Result};
 
@@ -289,12 +293,47 @@ impl NcclApi {
     /// [`DdpError::LibraryNotFound`] when no candidate loads or a function is missing (a library
     /// older than [`NCCL_MIN_VERSION`]).
     pub fn load() -> Result<Self> {
-        let (library, path) = open_nccl()?;
+        let explicit = std::env::var(NCCL_LIB_ENV).ok();
+        Self::load_from(&nccl_candidates(
+            explicit.as_deref(),
+            &python_package_roots(),
+        ))
+    }
+
+    /// Loads the first of `candidates` (paths or file names) that opens, is NCCL 2.18 or later
+    /// and has every function: an old system `libnccl.so.2` does not hide a newer one later in
+    /// the list.
+    ///
+    /// # Errors
+    /// [`DdpError::LibraryNotFound`] listing every candidate, with why each was passed over.
+    pub fn load_from(candidates: &[String]) -> Result<Self> {
+        let mut reasons = Vec::new();
+        for candidate in candidates {
+            let loaded = open_first("NCCL", std::slice::from_ref(candidate), NCCL_HINT)
+                .and_then(|(library, path)| Self::resolve(library, path));
+            match loaded {
+                Ok(api) => return Ok(api),
+                Err(DdpError::LibraryNotFound { detail, .. }) => {
+                    reasons.push(format!("{candidate}: {detail}"))
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        Err(DdpError::LibraryNotFound {
+            library: "NCCL".into(),
+            searched: candidates.to_vec(),
+            detail: reasons.join("; "),
+            hint: NCCL_HINT.into(),
+        })
+    }
+
+    /// Resolves NCCL's functions in `library`, loaded from `path`.
+    fn resolve(library: libloading::Library, path: String) -> Result<Self> {
         let missing = |name: &str, e: libloading::Error| DdpError::LibraryNotFound {
             library: "NCCL".into(),
             searched: vec![path.clone()],
             detail: format!("{path} has no `{name}` ({e}); burn-ddp needs NCCL 2.18 or later"),
-            hint: super::library::NCCL_HINT.into(),
+            hint: NCCL_HINT.into(),
         };
         macro_rules! symbol {
             ($name:literal, $ty:ty) => {
@@ -320,7 +359,7 @@ impl NcclApi {
                     version_string(version),
                     version_string(NCCL_MIN_VERSION)
                 ),
-                hint: super::library::NCCL_HINT.into(),
+                hint: NCCL_HINT.into(),
             });
         }
         let get_last_error = {
@@ -514,18 +553,41 @@ mod tests {
 
     #[test]
     fn a_missing_library_is_a_clear_error() {
-        // Only this test sets the variable; the lookup takes it as the one candidate.
-        let path = "/nonexistent/burn-ddp-test/libnccl.so.2";
-        // SAFETY: tests in this crate do not read BURN_DDP_NCCL_LIB concurrently except here.
-        unsafe { std::env::set_var(super::super::library::NCCL_LIB_ENV, path) };
-        let err = NcclApi::load().unwrap_err();
-        unsafe { std::env::remove_var(super::super::library::NCCL_LIB_ENV) };
-        match err {
+        let candidates = vec![
+            "/nonexistent/burn-ddp-test/libnccl.so.2".to_string(),
+            "libburn-ddp-no-such-nccl.so.2".to_string(),
+        ];
+        match NcclApi::load_from(&candidates).unwrap_err() {
             DdpError::LibraryNotFound {
-                library, searched, ..
+                library,
+                searched,
+                detail,
+                hint,
             } => {
                 assert_eq!(library, "NCCL");
-                assert_eq!(searched, vec![path.to_string()]);
+                assert_eq!(searched, candidates);
+                // Why each candidate was passed over.
+                assert!(detail.contains(&candidates[0]) && detail.contains(&candidates[1]));
+                assert!(hint.contains("BURN_DDP_NCCL_LIB"));
+            }
+            other => panic!("expected LibraryNotFound, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_library_without_nccl_is_passed_over() {
+        // libc opens but has no NCCL functions: the error says so and names the next candidate.
+        let candidates = vec![
+            "libc.so.6".to_string(),
+            "/nonexistent/libnccl.so.2".to_string(),
+        ];
+        match NcclApi::load_from(&candidates).unwrap_err() {
+            DdpError::LibraryNotFound { detail, .. } => {
+                assert!(
+                    detail.contains("libc.so.6") && detail.contains("ncclGetVersion"),
+                    "{detail}"
+                );
+                assert!(detail.contains("/nonexistent/libnccl.so.2"), "{detail}");
             }
             other => panic!("expected LibraryNotFound, got {other:?}"),
         }

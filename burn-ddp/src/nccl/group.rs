@@ -37,6 +37,26 @@ use crate::{DdpError, Result};
 
 /// How long dropping a group waits for `ncclCommFinalize` before aborting the communicator.
 const FINALIZE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an aborted communicator's stream may take to drain (NCCL's kernels exit once they
+/// see the abort) before the group gives up waiting and logs it.
+const ABORT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Waits, polling and bounded by `timeout`, until `stream` has no work left.
+fn drain_stream(stream: cusys::CUstream, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    let mut polls = 0u32;
+    // SAFETY: `stream` is a live stream of the caller's group.
+    while unsafe { cusys::cuStreamQuery(stream) } == cusys::CUresult::CUDA_ERROR_NOT_READY {
+        if Instant::now() > deadline {
+            tracing::warn!(
+                "burn-ddp: the NCCL stream still runs {} s after ncclCommAbort",
+                timeout.as_secs_f64()
+            );
+            return;
+        }
+        backoff(&mut polls);
+    }
+}
 
 /// Burn-cuda's backend without fusion (`burn::backend::Cuda` when burn-cuda's `fusion` feature
 /// is off); with fusion, its tensors are resolved to this backend's `CubeTensor`.
@@ -64,24 +84,35 @@ fn nccl_api() -> Result<Arc<NcclApi>> {
     Ok(API.get_or_init(|| api).clone())
 }
 
-/// Checks that the CUDA driver library loads, before anything touches a CUDA device (cudarc and
-/// CubeCL panic when it is missing).
+/// Checks that the CUDA driver library and NVRTC (which CubeCL compiles its kernels with) load,
+/// before anything touches a CUDA device: cudarc and CubeCL panic when either is missing.
 ///
 /// # Errors
-/// [`DdpError::LibraryNotFound`] naming the file names tried.
+/// [`DdpError::LibraryNotFound`] naming the library and the file names tried.
 pub fn check_cuda_driver() -> Result<()> {
-    // SAFETY: cudarc's probe only tries to load the library.
-    if unsafe { cusys::is_culib_present() } {
-        return Ok(());
+    // SAFETY: cudarc's probes only try to load the libraries.
+    if !unsafe { cusys::is_culib_present() } {
+        return Err(DdpError::LibraryNotFound {
+            library: "the CUDA driver (libcuda)".into(),
+            searched: cudarc::get_lib_name_candidates("cuda"),
+            detail: "no candidate loads".into(),
+            hint: "run on a machine with an NVIDIA driver (libcuda.so.1 comes with it), or add \
+                   its directory to LD_LIBRARY_PATH"
+                .into(),
+        });
     }
-    Err(DdpError::LibraryNotFound {
-        library: "the CUDA driver (libcuda)".into(),
-        searched: cudarc::get_lib_name_candidates("cuda"),
-        detail: "no candidate loads".into(),
-        hint: "run on a machine with an NVIDIA driver (libcuda.so.1 comes with it), or add its \
-               directory to LD_LIBRARY_PATH"
-            .into(),
-    })
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(DdpError::LibraryNotFound {
+            library: "NVRTC (libnvrtc), CubeCL's kernel compiler".into(),
+            searched: cudarc::get_lib_name_candidates("nvrtc"),
+            detail: "no candidate loads".into(),
+            hint: "install the CUDA runtime libraries (a CUDA toolkit's lib64, or `pip install \
+                   nvidia-cuda-nvrtc-cu13`) and add the directory of libnvrtc.so.* to \
+                   LD_LIBRARY_PATH"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 /// The number of CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`).
@@ -229,9 +260,13 @@ impl NcclGroup {
                     [0u64; 16]
                 };
                 let all = host.all_gather(&mine, timeout)?;
-                NcclUniqueId::from_words(&all[..16]).ok_or_else(|| {
-                    DdpError::InvalidConfig("the NCCL id exchange returned too few words".into())
-                })?
+                all.get(..16)
+                    .and_then(NcclUniqueId::from_words)
+                    .ok_or_else(|| {
+                        DdpError::InvalidConfig(
+                            "the NCCL id exchange returned too few words".into(),
+                        )
+                    })?
             }
         };
         let setup = |op: &'static str| move |e: cu::DriverError| driver_error(rank, op, 0, e);
@@ -343,10 +378,8 @@ impl NcclGroup {
             // SAFETY: the communicator is valid and not used again once `broken` is set. The
             // abort makes NCCL's kernels exit; waiting for the stream then guarantees nothing
             // writes a buffer that the caller releases after the error.
-            unsafe {
-                (self.api.comm_abort)(cuda.comm);
-                let _ = cu::stream::synchronize(cuda.stream);
-            }
+            unsafe { (self.api.comm_abort)(cuda.comm) };
+            drain_stream(cuda.stream, ABORT_DRAIN_TIMEOUT);
             cuda.broken = Some(why.to_string());
         }
     }
@@ -871,7 +904,7 @@ impl Drop for NcclGroup {
                 } else {
                     let _ = (self.api.comm_abort)(cuda.comm);
                 }
-                let _ = cu::stream::synchronize(cuda.stream);
+                drain_stream(cuda.stream, ABORT_DRAIN_TIMEOUT);
             }
             if cuda.scratch != 0 {
                 let _ = cu::free_sync(cuda.scratch);

@@ -112,16 +112,6 @@ pub fn open_first(
     })
 }
 
-/// Opens NCCL as the [module docs](self) describe.
-///
-/// # Errors
-/// [`DdpError::LibraryNotFound`].
-pub fn open_nccl() -> Result<(libloading::Library, String)> {
-    let explicit = std::env::var(NCCL_LIB_ENV).ok();
-    let candidates = nccl_candidates(explicit.as_deref(), &python_package_roots());
-    open_first("NCCL", &candidates, NCCL_HINT)
-}
-
 /// The name of an NCCL result code (`ncclResult_t`), as `nccl.h` defines them.
 pub fn nccl_result_name(code: u32) -> &'static str {
     match code {

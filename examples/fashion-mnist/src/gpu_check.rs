@@ -97,6 +97,11 @@ pub fn run(args: &[String]) -> Result<bool, String> {
     let steps_ok = steps["mismatches"].as_u64() == Some(0) && steps["errors"].as_u64() == Some(0);
     summary["steps"] = steps;
     save(&summary);
+    let group = Arc::new(group);
+    let reducer = reducer_steps(group.clone(), 200);
+    let reducer_ok = reducer["mismatches"].as_u64() == Some(0) && reducer["error"].is_null();
+    summary["reducer"] = reducer;
+    save(&summary);
     drop(group);
     let training = if skip_training {
         json!({"skipped": true})
@@ -105,7 +110,7 @@ pub fn run(args: &[String]) -> Result<bool, String> {
     };
     let training_ok = training.get("error").is_none();
     summary["training"] = training;
-    let passed = exact_ok && steps_ok && training_ok;
+    let passed = exact_ok && steps_ok && reducer_ok && training_ok;
     summary["passed"] = passed.into();
     save(&summary);
     println!(
@@ -341,6 +346,92 @@ fn consecutive_steps(group: &NcclGroup, steps: usize) -> Value {
     })
 }
 
+/// The reducer's device path over the NCCL group, as training runs it: a weight of 0.5 (join
+/// mode's weighting) makes it reduce even with one rank. `steps` reductions of a linear layer's
+/// gradients (f32, then bf16 on the wire every other step) against the host's `0.5 * g`.
+fn reducer_steps(group: Arc<NcclGroup>, steps: usize) -> Value {
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::GradientsParams;
+    use burn_ddp::{DdpConfig, ReduceOptions, Reducer, ReplicaLayout};
+    type Ad = burn::backend::Autodiff<Cuda>;
+    let device = CudaDevice::new(0);
+    let layer: Linear<Ad> = LinearConfig::new(300, 200).init(&device);
+    let layout = ReplicaLayout::of(&layer);
+    let make = |compression| {
+        Reducer::new(
+            group.clone() as Arc<dyn ProcessGroup>,
+            &layout,
+            &DdpConfig::default().with_gradient_compression(compression),
+        )
+    };
+    let (mut exact, mut compressed) = match (
+        make(GradientCompression::None),
+        make(GradientCompression::Bf16),
+    ) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => return json!({"error": e.to_string()}),
+    };
+    let options = ReduceOptions {
+        weight: 0.5,
+        op: ReduceOp::Sum,
+        ..ReduceOptions::default()
+    };
+    let weight_id = layer.weight.id;
+    let bias_id = layer.bias.as_ref().map(|b| b.id);
+    let started = Instant::now();
+    let mut mismatches = 0u64;
+    let mut first_mismatch = None;
+    for step in 0..steps {
+        // bf16-exact values (small integers / 8), different every step.
+        let w = values(300 * 200, step);
+        let b = values(200, step + 1);
+        let mut grads = GradientsParams::new();
+        grads.register::<Cuda, 2>(
+            weight_id,
+            Tensor::from_data(TensorData::new(w.clone(), [300, 200]), &device).mul_scalar(1.0),
+        );
+        if let Some(bias_id) = bias_id {
+            grads.register::<Cuda, 1>(
+                bias_id,
+                Tensor::from_data(TensorData::new(b.clone(), [200]), &device),
+            );
+        }
+        let reducer = if step % 2 == 0 {
+            &mut exact
+        } else {
+            &mut compressed
+        };
+        let outcome = match reducer.reduce_with::<Cuda>(Some(grads), &device, &options) {
+            Ok(outcome) => outcome,
+            Err(e) => return json!({"error": e.to_string(), "step": step}),
+        };
+        let got_w = outcome
+            .grads
+            .get::<Cuda, 2>(weight_id)
+            .map(|t| read(t.reshape([300 * 200])));
+        let got_b = bias_id
+            .and_then(|id| outcome.grads.get::<Cuda, 1>(id))
+            .map(read);
+        let ok = |got: Option<Result<Vec<f32>, String>>, expected: &[f32]| {
+            got.and_then(|r| r.ok()).is_some_and(|got| {
+                got.len() == expected.len() && got.iter().zip(expected).all(|(g, e)| *g == 0.5 * e)
+            })
+        };
+        if !(ok(got_w, &w) && ok(got_b, &b)) {
+            mismatches += 1;
+            first_mismatch.get_or_insert(step);
+        }
+    }
+    json!({
+        "steps": steps,
+        "mismatches": mismatches,
+        "first_mismatch": first_mismatch,
+        "error": Value::Null,
+        "bytes_all_reduced": exact.stats().bytes + compressed.stats().bytes,
+        "seconds": started.elapsed().as_secs_f64(),
+    })
+}
+
 /// `samples/s` and the train loss from the example's epoch line.
 fn parse_epoch(stdout: &str) -> Option<(f64, f64)> {
     let line = stdout
@@ -358,6 +449,52 @@ fn parse_epoch(stdout: &str) -> Option<(f64, f64)> {
     let rate = line.split(", ").find(|p| p.contains(" samples/s"))?;
     let rate = rate.split_whitespace().next()?.parse().ok()?;
     Some((rate, loss))
+}
+
+/// Bound on one training run of the check (one epoch of Fashion-MNIST takes well under a minute
+/// on a recent GPU).
+const RUN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `command`'s output, killing it when it runs longer than `timeout`.
+fn output_within(mut command: Command, timeout: Duration) -> std::io::Result<std::process::Output> {
+    use std::process::Stdio;
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // Read both pipes on threads so a chatty child cannot block on a full pipe.
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let out = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stdout, &mut buf);
+        buf
+    });
+    let err = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stderr, &mut buf);
+        buf
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("killed after {} s", timeout.as_secs()),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Ok(std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
 }
 
 /// One run of this binary as the example; `(samples/s, train loss)`.
@@ -378,7 +515,7 @@ fn train_once(
     if let Some(data) = data {
         command.args(["--data", data]);
     }
-    let output = command.output().map_err(|e| format!("{name}: {e}"))?;
+    let output = output_within(command, RUN_TIMEOUT).map_err(|e| format!("{name}: {e}"))?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     match parse_epoch(&stdout) {
         Some(result) if output.status.success() => Ok(result),

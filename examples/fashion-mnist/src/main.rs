@@ -234,9 +234,23 @@ const NO_CUDA: &str = "this binary was built without CUDA: rebuild with `--featu
 fn cuda(args: &Args, job: &Job) -> Result<(), String> {
     use burn::backend::Cuda;
     use burn::backend::cuda::CudaDevice;
-    // A clear error instead of a panic in Burn when there is no NVIDIA driver.
+    // A clear error instead of a panic in Burn when there is no NVIDIA driver or NVRTC.
     burn_ddp::nccl::check_cuda_driver().map_err(|e| e.to_string())?;
-    train::<Autodiff<Cuda>>(args, job, CudaDevice::new)
+    let gpus = cuda_devices()?;
+    let index = match job {
+        Job::Threads(_) => None,
+        // One process per GPU: its local rank, or the one GPU a scheduler left visible to it
+        // (CUDA_VISIBLE_DEVICES set per task, as Slurm does).
+        Job::Process(topology) if topology.local_rank < gpus => None,
+        Job::Process(_) if gpus == 1 => Some(0),
+        Job::Process(topology) => {
+            return Err(format!(
+                "local rank {} has no GPU: {gpus} CUDA device(s) visible; run one process per GPU",
+                topology.local_rank
+            ));
+        }
+    };
+    train::<Autodiff<Cuda>>(args, job, |i| CudaDevice::new(index.unwrap_or(i)))
 }
 
 #[cfg(not(feature = "cuda"))]
