@@ -10,7 +10,8 @@
 //!   runs the GPU checks on a machine with a GPU and no Rust toolchain (see README).
 //! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
 //!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
-//!   example's name (`fashion-mnist`), builds it too and runs that binary.
+//!   example's name (`fashion-mnist`), builds it too and runs that binary (with its `cuda`
+//!   feature when the program's arguments say `--device cuda`).
 
 use std::process::{Command, ExitCode};
 
@@ -126,6 +127,14 @@ for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib "${whe
   if [ -d "$dir" ]; then LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 done
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+# CubeCL's kernels include cuda_runtime.h from $CUDA_PATH/include (default /usr/local/cuda):
+# without a toolkit, take the headers of an nvidia-* wheel.
+if [ -z "${CUDA_PATH:-}" ] && [ ! -d /usr/local/cuda ] && [ ! -d /opt/cuda ]; then
+  for header in "${wheel_libs[@]/%\/lib//include/cuda_runtime.h}"; do
+    if [ -f "$header" ]; then export CUDA_PATH="${header%/include/cuda_runtime.h}"; break; fi
+  done
+fi
+echo "CUDA_PATH: ${CUDA_PATH:-<CubeCL default: /usr/local/cuda>}" >&2
 # NCCL: the nvidia-nccl-cu* wheel, unless BURN_DDP_NCCL_LIB is set.
 if [ -z "${BURN_DDP_NCCL_LIB:-}" ]; then
   dir="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)"
@@ -263,6 +272,9 @@ fn launch(args: &[String]) -> ExitCode {
     // All binaries of the packages (`--bin` would also filter the example's out).
     build.args(["build", "--release", "--package", "burn-ddp"]);
     let example = EXAMPLES.contains(&program.as_str());
+    if features.is_none() && (cfg!(feature = "cuda") || wants_cuda(program_args)) {
+        features = Some("cuda".into());
+    }
     if example {
         build.args(["--package", program]);
         if let Some(features) = &features {

@@ -69,8 +69,9 @@ pub enum NcclIdSource {
     /// words): threads of one process ([`ThreadGroup`](crate::ThreadGroup)) or processes joined
     /// by the rendezvous ([`TcpGroup`](crate::TcpGroup)).
     HostGroup,
-    /// Every rank was given the same id (e.g. read from a rendezvous store, see
-    /// [`NcclUniqueId::from_hex`]).
+    /// Every rank was given the same id, e.g. through the rendezvous store with
+    /// [`NcclUniqueId::share_through_store`]. For groups built with [`NcclGroup::new`] in a
+    /// custom loop; `DdpStrategy` always uses [`HostGroup`](Self::HostGroup).
     Given(NcclUniqueId),
 }
 
@@ -84,8 +85,11 @@ fn nccl_api() -> Result<Arc<NcclApi>> {
     Ok(API.get_or_init(|| api).clone())
 }
 
-/// Checks that the CUDA driver library and NVRTC (which CubeCL compiles its kernels with) load,
-/// before anything touches a CUDA device: cudarc and CubeCL panic when either is missing.
+/// Checks what CubeCL needs at run time before anything touches a CUDA device (cudarc and CubeCL
+/// panic when a piece is missing): the CUDA driver library, NVRTC (CubeCL's kernel compiler),
+/// and the CUDA headers its kernels include (`<CUDA_PATH>/include/cuda_runtime.h`, where
+/// `CUDA_PATH` defaults to `/usr/local/cuda`, then `/opt/cuda`, as CubeCL looks for them).
+/// Call it before creating a burn-cuda device; `NcclGroup::new` calls it too.
 ///
 /// # Errors
 /// [`DdpError::LibraryNotFound`] naming the library and the file names tried.
@@ -98,6 +102,23 @@ pub fn check_cuda_driver() -> Result<()> {
             detail: "no candidate loads".into(),
             hint: "run on a machine with an NVIDIA driver (libcuda.so.1 comes with it), or add \
                    its directory to LD_LIBRARY_PATH"
+                .into(),
+        });
+    }
+    let cuda_path = cubecl::cuda::install::cuda_path();
+    let header = cuda_path
+        .as_ref()
+        .map(|p| p.join("include").join("cuda_runtime.h"));
+    if !header.as_ref().is_some_and(|h| h.is_file()) {
+        return Err(DdpError::LibraryNotFound {
+            library: "the CUDA headers (cuda_runtime.h) CubeCL compiles its kernels with".into(),
+            searched: vec![match &header {
+                Some(header) => header.display().to_string(),
+                None => "$CUDA_PATH, /usr/local/cuda, /opt/cuda, /usr (with /usr/bin/nvcc)".into(),
+            }],
+            detail: "not found".into(),
+            hint: "install a CUDA toolkit, or point CUDA_PATH at a directory whose include/ holds \
+                   cuda_runtime.h (e.g. the nvidia-cuda-runtime wheel's)"
                 .into(),
         });
     }
@@ -218,15 +239,18 @@ fn backoff(polls: &mut u32) {
 }
 
 impl NcclGroup {
-    /// Builds rank `host.rank()`'s communicator on GPU `device_index` (a CUDA ordinal), with the
-    /// same rank and world size as `host`. Every rank calls it at the same time; `timeout` bounds
-    /// the wait for the others.
+    /// Builds rank `host.rank()`'s communicator on GPU `device_index` (a CUDA ordinal, counted
+    /// after `CUDA_VISIBLE_DEVICES`), with the same rank and world size as `host`. Every rank
+    /// calls it at the same time; `timeout` bounds the id exchange and, again, the
+    /// communicator's initialisation.
     ///
     /// # Errors
-    /// [`DdpError::LibraryNotFound`] when libcuda or libnccl is missing (see
-    /// [`library`](super::library)); [`DdpError::Nccl`] when a CUDA or NCCL call fails or the
-    /// ranks do not all join within `timeout`; the host group's errors during the id exchange.
-    /// On error the host group is aborted, so the peers fail fast too.
+    /// [`DdpError::LibraryNotFound`] when libcuda, NVRTC, the CUDA headers or libnccl is missing
+    /// (see [`check_cuda_driver`] and [`library`](super::library)); [`DdpError::Nccl`] when a
+    /// CUDA or NCCL call fails, with code `"timeout"` when the ranks do not all join within
+    /// `timeout` and `"aborted"` when a peer aborts meanwhile; [`DdpError::InvalidConfig`] for a
+    /// device index beyond `i32`; the host group's errors during the id exchange. On error the
+    /// host group is aborted, so the peers fail fast too.
     pub fn new(
         host: Arc<dyn ProcessGroup>,
         device_index: usize,
@@ -667,13 +691,16 @@ impl NcclGroup {
     }
 
     /// All-reduce of `src` into `dst` (float tensor primitives of burn-cuda of the same dtype
-    /// and length; with or without fusion). `reduce` in place is
+    /// and length, disjoint; with or without fusion). In place is
     /// [`all_reduce_device`](ProcessGroup::all_reduce_device); this out-of-place form lets a
     /// check tell a stale read from a fresh one.
     ///
     /// # Errors
-    /// As [`all_reduce_device`](ProcessGroup::all_reduce_device); [`DdpError::InvalidConfig`]
-    /// when either tensor is not a burn-cuda tensor.
+    /// As [`all_reduce_device`](ProcessGroup::all_reduce_device): [`DdpError::Nccl`] with code
+    /// `"unsupported bucket"` for a dtype other than f32/bf16/f16, a tensor that is not
+    /// contiguous, on another GPU than the group's, or of another length or dtype than the other
+    /// (these return before any communication and, unlike the reducer, do not abort the peers);
+    /// [`DdpError::InvalidConfig`] when either tensor is not a burn-cuda tensor.
     pub fn all_reduce_into(
         &self,
         src: &dyn Any,

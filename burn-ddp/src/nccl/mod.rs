@@ -38,6 +38,8 @@ pub fn group_for_device<D: std::any::Any>(
     #[cfg(feature = "cuda")]
     if let Some(cuda) = (device as &dyn std::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>()
         && host.world_size() > 1
+        // A group that already reduces device tensors (an `NcclGroup` the caller built) is kept.
+        && !host.reduces_device_tensors()
     {
         let group = NcclGroup::new(host, cuda.index, NcclIdSource::HostGroup, config.timeout())?;
         return Ok(Arc::new(group));
