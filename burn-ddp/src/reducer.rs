@@ -26,7 +26,8 @@
 //! concatenated on the device, optionally compressed to `bf16`/`f16`
 //! ([`DdpConfig::with_gradient_compression`]), all-reduced in place in GPU memory, and sliced
 //! back into gradients, with no trip through the host. The flags and the NaN/norm checks come
-//! back to the host together, one small read per step.
+//! back to the host together, one small read per step, and not at all (no host sync) when this
+//! rank had every gradient and no check is asked: every flag is then positive anyway.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -411,6 +412,9 @@ impl Reducer {
         let world_size = self.group.world_size();
         let mut reduced: Vec<Tensor<B, 1>> = Vec::with_capacity(self.layout.buckets.len());
         let mut local_sums: Vec<Tensor<B, 1>> = Vec::new();
+        // Whether this rank had every gradient: then every flag is positive after the
+        // all-reduce, and without checks the step needs no read back to the host (no sync).
+        let mut all_present = true;
         for (bucket_index, bucket) in self.layout.buckets.iter().enumerate() {
             let started = Instant::now();
             let fail = |detail: String| {
@@ -434,6 +438,7 @@ impl Reducer {
                     None => {
                         parts.push(Tensor::zeros([spec.numel()], device));
                         flags.push(0.0);
+                        all_present = false;
                     }
                 }
             }
@@ -477,9 +482,15 @@ impl Reducer {
         self.stats.steps += 1;
 
         let started = Instant::now();
+        let buckets = self.layout.buckets.len();
+        let flag_count: usize = self.layout.buckets.iter().map(|b| b.params.len()).sum();
+        if all_present && !options.check_finite && options.clip_norm.is_none() {
+            self.unflatten_device(&mut grads, reduced, None, 1.0);
+            self.stats.unflatten += started.elapsed();
+            return Ok(ReduceOutcome::plain(grads));
+        }
         // One read for the flags and checks: [flags of every bucket | per-bucket sums | per-bucket
         // sums of squares | this rank's per-bucket sums before the all-reduce].
-        let buckets = self.layout.buckets.len();
         let mut probe: Vec<Tensor<B, 1>> = self
             .layout
             .buckets
@@ -507,7 +518,6 @@ impl Reducer {
                 probe.push(scaled);
             }
         }
-        let flag_count: usize = self.layout.buckets.iter().map(|b| b.params.len()).sum();
         probe.extend(local_sums);
         let host: Vec<f32> = Tensor::cat(probe, 0)
             .into_data()
@@ -560,7 +570,22 @@ impl Reducer {
                 outcome.clip_scale = Some(scale);
             }
         }
-        let mut flags = flags.iter();
+        self.unflatten_device(&mut grads, reduced, Some(flags), scale);
+        self.stats.unflatten += started.elapsed();
+        outcome.grads = grads;
+        Ok(outcome)
+    }
+
+    /// Slices the reduced device buckets back into `grads`, times `scale`, leaving out the
+    /// parameters whose reduced flag is not positive (`flags: None`: every parameter).
+    fn unflatten_device<B: Backend>(
+        &self,
+        grads: &mut GradientsParams,
+        reduced: Vec<Tensor<B, 1>>,
+        flags: Option<&[f32]>,
+        scale: f32,
+    ) {
+        let mut flags = flags.map(<[f32]>::iter);
         for (bucket, reduced) in self.layout.buckets.iter().zip(reduced) {
             let reduced = if scale == 1.0 {
                 reduced
@@ -569,18 +594,17 @@ impl Reducer {
             };
             for (j, &p) in bucket.params.iter().enumerate() {
                 // The flag's all-reduce: positive when any rank had a gradient.
-                if flags.next().is_none_or(|&f| f <= 0.0) {
+                if let Some(flags) = flags.as_mut()
+                    && flags.next().is_none_or(|&f| f <= 0.0)
+                {
                     continue;
                 }
                 let spec = &self.params[p];
                 let start = bucket.offsets[j];
                 let flat = reduced.clone().slice(start..start + spec.numel());
-                register_shaped::<B>(&mut grads, spec, flat);
+                register_shaped::<B>(grads, spec, flat);
             }
         }
-        self.stats.unflatten += started.elapsed();
-        outcome.grads = grads;
-        Ok(outcome)
     }
 
     /// The NaN/infinity check and clipping of [`reduce_with`](Self::reduce_with) for a world

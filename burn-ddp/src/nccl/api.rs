@@ -76,7 +76,9 @@ impl NcclUniqueId {
     /// The id as 16 native-endian `u64` words (for [`ProcessGroup::all_gather`](crate::ProcessGroup::all_gather)).
     pub fn to_words(&self) -> [u64; 16] {
         std::array::from_fn(|i| {
-            u64::from_ne_bytes(self.bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&self.bytes[i * 8..i * 8 + 8]);
+            u64::from_ne_bytes(word)
         })
     }
 

@@ -717,6 +717,41 @@ impl NcclGroup {
     }
 }
 
+impl NcclGroup {
+    /// All-reduce of a host buffer through the scratch buffer; `collective` names it in errors.
+    fn host_all_reduce(
+        &self,
+        collective: Collective,
+        bucket: &mut [f32],
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let len = bucket.len();
+        let input = bytemuck::cast_slice::<f32, u8>(bucket).to_vec();
+        self.host_collective(
+            collective,
+            &input,
+            0,
+            bytemuck::cast_slice_mut(bucket),
+            timeout,
+            |api, scratch, comm, stream| {
+                // SAFETY: `scratch` holds `len` f32 (the copy above), on this group's stream.
+                unsafe {
+                    (api.all_reduce)(
+                        scratch as *const std::ffi::c_void,
+                        scratch as *mut std::ffi::c_void,
+                        len,
+                        api::dtype::FLOAT32,
+                        api::nccl_op(op),
+                        comm,
+                        stream as api::RawStream,
+                    )
+                }
+            },
+        )
+    }
+}
+
 /// What a wait is for, to name it in errors.
 #[derive(Clone, Copy)]
 enum Step {
@@ -748,28 +783,7 @@ impl ProcessGroup for NcclGroup {
 
     fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()> {
         let len = bucket.len();
-        let input = bytemuck::cast_slice::<f32, u8>(bucket).to_vec();
-        self.host_collective(
-            Collective::AllReduce { op, len },
-            &input,
-            0,
-            bytemuck::cast_slice_mut(bucket),
-            timeout,
-            |api, scratch, comm, stream| {
-                // SAFETY: `scratch` holds `len` f32 (the copy above), on this group's stream.
-                unsafe {
-                    (api.all_reduce)(
-                        scratch as *const std::ffi::c_void,
-                        scratch as *mut std::ffi::c_void,
-                        len,
-                        api::dtype::FLOAT32,
-                        api::nccl_op(op),
-                        comm,
-                        stream as api::RawStream,
-                    )
-                }
-            },
-        )
+        self.host_all_reduce(Collective::AllReduce { op, len }, bucket, op, timeout)
     }
 
     fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
@@ -792,7 +806,7 @@ impl ProcessGroup for NcclGroup {
             bytemuck::cast_slice_mut(buffer),
             timeout,
             |api, scratch, comm, stream| {
-                // SAFETY: as in `all_reduce`.
+                // SAFETY: as in `host_all_reduce`.
                 unsafe {
                     (api.broadcast)(
                         scratch as *const std::ffi::c_void,
@@ -810,29 +824,7 @@ impl ProcessGroup for NcclGroup {
 
     fn barrier(&self, timeout: Duration) -> Result<()> {
         // A one-value all-reduce: NCCL has no barrier, and this is what PyTorch's does.
-        let seq_op = Collective::Barrier;
-        let mut value = [0.0f32];
-        self.host_collective(
-            seq_op,
-            bytemuck::cast_slice(&value.clone()),
-            0,
-            bytemuck::cast_slice_mut(&mut value),
-            timeout,
-            |api, scratch, comm, stream| {
-                // SAFETY: as in `all_reduce`, one value.
-                unsafe {
-                    (api.all_reduce)(
-                        scratch as *const std::ffi::c_void,
-                        scratch as *mut std::ffi::c_void,
-                        1,
-                        api::dtype::FLOAT32,
-                        api::redop::SUM,
-                        comm,
-                        stream as api::RawStream,
-                    )
-                }
-            },
-        )
+        self.host_all_reduce(Collective::Barrier, &mut [0.0], ReduceOp::Sum, timeout)
     }
 
     fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>> {
