@@ -523,15 +523,14 @@ impl NcclGroup {
         Ok(cuda.scratch)
     }
 
-    /// A collective on host memory: `host` is copied to device scratch memory (at byte offset
-    /// `offset`), `launch` runs NCCL on the scratch buffer, and `len_out` bytes from the start
-    /// of scratch are copied back into `out`.
+    /// A collective on host memory: `buffer[upload]` is copied to the same byte range of the
+    /// device scratch buffer, `launch` runs NCCL on the scratch buffer, and the scratch buffer's
+    /// first `buffer.len()` bytes are copied back into `buffer` (no host copy of the input).
     fn host_collective(
         &self,
         op: Collective,
-        input: &[u8],
-        offset: usize,
-        out: &mut [u8],
+        buffer: &mut [u8],
+        upload: std::ops::Range<usize>,
         timeout: Duration,
         launch: impl FnOnce(&NcclApi, u64, RawComm, cusys::CUstream) -> c_int,
     ) -> Result<()> {
@@ -540,15 +539,18 @@ impl NcclGroup {
         self.check_usable(&cuda, op, seq)?;
         let name = op.name();
         self.enter(&cuda, name, seq)?;
-        let bytes = (offset + input.len()).max(out.len());
-        let scratch = self.scratch(&mut cuda, bytes, name, seq)?;
+        let scratch = self.scratch(&mut cuda, buffer.len(), name, seq)?;
         let driver = |e| driver_error(self.rank, name, seq, e);
-        if !input.is_empty() {
-            // SAFETY: `scratch` holds at least `offset + input.len()` bytes; the copy is ordered
-            // before the collective on the same stream.
+        if !upload.is_empty() {
+            // SAFETY: `scratch` holds at least `buffer.len()` bytes; the copy is ordered before
+            // the collective on the same stream, and `buffer` is not touched until it is done.
             unsafe {
-                cu::memcpy_htod_async(scratch + offset as u64, input, cuda.stream)
-                    .map_err(driver)?
+                cu::memcpy_htod_async(
+                    scratch + upload.start as u64,
+                    &buffer[upload.clone()],
+                    cuda.stream,
+                )
+                .map_err(driver)?
             };
         }
         let code = launch(&self.api, scratch, cuda.comm, cuda.stream);
@@ -558,9 +560,9 @@ impl NcclGroup {
             return Err(err);
         }
         self.wait(&mut cuda, Step::Collective(op), seq, timeout)?;
-        if !out.is_empty() {
+        if !buffer.is_empty() {
             // SAFETY: the stream is done, so the scratch buffer holds the result.
-            unsafe { cu::memcpy_dtoh_sync(out, scratch) }.map_err(driver)?;
+            unsafe { cu::memcpy_dtoh_sync(buffer, scratch) }.map_err(driver)?;
         }
         Ok(())
     }
@@ -727,12 +729,12 @@ impl NcclGroup {
         timeout: Duration,
     ) -> Result<()> {
         let len = bucket.len();
-        let input = bytemuck::cast_slice::<f32, u8>(bucket).to_vec();
+        let bytes = bytemuck::cast_slice_mut::<f32, u8>(bucket);
+        let upload = 0..bytes.len();
         self.host_collective(
             collective,
-            &input,
-            0,
-            bytemuck::cast_slice_mut(bucket),
+            bytes,
+            upload,
             timeout,
             |api, scratch, comm, stream| {
                 // SAFETY: `scratch` holds `len` f32 (the copy above), on this group's stream.
@@ -794,16 +796,17 @@ impl ProcessGroup for NcclGroup {
                 self.world_size
             )));
         }
-        let input = if self.rank == root {
-            bytemuck::cast_slice::<f32, u8>(buffer).to_vec()
+        let bytes = bytemuck::cast_slice_mut::<f32, u8>(buffer);
+        // Only the root's values travel.
+        let upload = if self.rank == root {
+            0..bytes.len()
         } else {
-            Vec::new()
+            0..0
         };
         self.host_collective(
             Collective::Broadcast { root, len },
-            &input,
-            0,
-            bytemuck::cast_slice_mut(buffer),
+            bytes,
+            upload,
             timeout,
             |api, scratch, comm, stream| {
                 // SAFETY: as in `host_all_reduce`.
@@ -829,13 +832,14 @@ impl ProcessGroup for NcclGroup {
 
     fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>> {
         let len = values.len();
-        let mut out = vec![0u64; len * self.world_size];
         let rank = self.rank;
+        // NCCL's in-place layout: this rank's values at its slot of the result.
+        let mut out = vec![0u64; len * self.world_size];
+        out[rank * len..(rank + 1) * len].copy_from_slice(values);
         self.host_collective(
             Collective::AllGather { len },
-            bytemuck::cast_slice(values),
-            rank * len * 8,
             bytemuck::cast_slice_mut(&mut out),
+            rank * len * 8..(rank + 1) * len * 8,
             timeout,
             |api, scratch, comm, stream| {
                 // SAFETY: `scratch` holds `world_size * len` u64 with this rank's at its slot
