@@ -318,7 +318,7 @@ pub fn bucket_sweep(
                     // Start together, or one rank's timing includes the other's preparation.
                     let _ = group.barrier(Duration::from_secs(600));
                     let started = Instant::now();
-                    let reduced = reducer.reduce::<Inner>(grads, &Default::default());
+                    let reduced = reducer.reduce::<Inner>(&model, grads, &Default::default());
                     let elapsed = started.elapsed();
                     match &reduced {
                         Err(e) => eprintln!("ddp-bench: bucket sweep: {e}"),

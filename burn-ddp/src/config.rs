@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::group::DEFAULT_TIMEOUT;
-use crate::nccl::GradientCompression;
+use crate::reducer::GradientCompression;
 use crate::{DdpError, Result};
 
 /// Size cap of a gradient bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.
@@ -257,9 +257,10 @@ impl DdpConfig {
     }
 
     /// Sends gradient buckets as `bf16` or `f16` (half the bytes), like PyTorch DDP's
-    /// `bf16_compress_hook`: averaging divides by the world size in `f32` first, so the result
-    /// matches the `f32` average within the 16-bit format's rounding (see
-    /// [`nccl::compress`](crate::nccl::compress)). It applies where buckets are reduced in
+    /// `bf16_compress_hook`, scaled per bucket so that neither large nor tiny gradients are lost:
+    /// the result matches the `f32` average within the 16-bit format's rounding, and a bucket the
+    /// format cannot hold goes as `f32`, counted and reported (see
+    /// [`reducer::compress`](crate::reducer::compress)). It applies where buckets are reduced in
     /// device memory (the NCCL group of CUDA devices); the CPU process groups reduce `f32`
     /// buffers on the host and ignore it. Every rank must use the same setting.
     pub fn with_gradient_compression(mut self, compression: GradientCompression) -> Self {

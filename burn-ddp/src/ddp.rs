@@ -12,7 +12,8 @@ use crate::group::ProcessGroup;
 use crate::metrics::CommStats;
 use crate::reducer::{BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
 use crate::replica::{
-    ReplicaLayout, average_buffers, broadcast_buffers, broadcast_module, verify_values_across,
+    Replica, ReplicaLayout, average_selected, broadcast_module, broadcast_selected,
+    verify_values_across,
 };
 use crate::{DdpConfig, DdpError, Result};
 
@@ -50,7 +51,7 @@ use crate::{DdpConfig, DdpError, Result};
 ///                 let x = Tensor::<B, 2>::random([8, 4], Distribution::Default, &device);
 ///                 let loss = model.forward(x).mean();
 ///                 let grads = GradientsParams::from_grads(loss.backward(), &model);
-///                 let grads = ddp.sync_gradients(grads)?; // averaged over ranks
+///                 let grads = ddp.sync_gradients(&model, grads)?; // averaged over ranks
 ///                 model = optim.step(0.1, model, grads);
 ///             }
 ///             Ok(())
@@ -63,6 +64,14 @@ use crate::{DdpConfig, DdpError, Result};
 ///
 /// Gradient accumulation (PyTorch's `no_sync`): sum the micro-batches' gradients with Burn's
 /// `GradientsAccumulator` and call `sync_gradients` once per optimizer step, on the sum.
+///
+/// The model may change between steps the way fine-tuning changes it: a layer frozen
+/// (`Module::no_grad`) or unfrozen (`set_require_grad(true)`) on every rank at the same step is
+/// followed at that step (PyTorch DDP needs a new wrapper for that). A change on some ranks
+/// only, or layers added, removed or replaced after `new`, is a [`DdpError::ModelChanged`] on
+/// every rank naming the tensor. A weight shared by two layers (one `Param` in two places) is
+/// reduced once. Frozen weights are broadcast by `new` and then left alone, as PyTorch leaves
+/// parameters without `requires_grad`.
 pub struct DistributedDataParallel<B: AutodiffBackend> {
     reducer: Reducer,
     device: B::Device,
@@ -100,14 +109,21 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         ))
     }
 
-    /// Averages `grads` (from `GradientsParams::from_grads`) across all ranks, bucket by bucket;
-    /// every rank must call it once per optimizer step. The result is bit-identical on every rank.
+    /// Averages `grads` (from `GradientsParams::from_grads(loss.backward(), model)`) across all
+    /// ranks, bucket by bucket; every rank must call it once per optimizer step, with the model
+    /// the gradients come from. The result is bit-identical on every rank.
     ///
     /// # Errors
-    /// The reducer's errors: [`DdpError::Bucket`] for a gradient of the wrong shape, the
-    /// all-reduce's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...).
-    pub fn sync_gradients(&mut self, grads: GradientsParams) -> Result<GradientsParams> {
-        self.reducer.reduce::<B::InnerBackend>(grads, &self.device)
+    /// The reducer's errors: [`DdpError::Bucket`] for a gradient of the wrong shape,
+    /// [`DdpError::ModelChanged`] when `model`'s tensors changed in a way the ranks cannot follow
+    /// together, the all-reduce's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...).
+    pub fn sync_gradients<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        self.reducer
+            .reduce::<B::InnerBackend>(&Replica::<B, M>::new(model), grads, &self.device)
     }
 
     /// [`sync_gradients`](Self::sync_gradients) with options (see [`Reducer::reduce_with`]):
@@ -116,13 +132,18 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     ///
     /// # Errors
     /// As [`sync_gradients`](Self::sync_gradients).
-    pub fn sync_gradients_with(
+    pub fn sync_gradients_with<M: AutodiffModule<B>>(
         &mut self,
+        model: &M,
         grads: Option<GradientsParams>,
         options: &ReduceOptions,
     ) -> Result<ReduceOutcome> {
-        self.reducer
-            .reduce_with::<B::InnerBackend>(grads, &self.device, options)
+        self.reducer.reduce_with::<B::InnerBackend>(
+            &Replica::<B, M>::new(model),
+            grads,
+            &self.device,
+            options,
+        )
     }
 
     /// Copies rank 0's parameters and buffers into every rank's `module` again (one broadcast).
@@ -138,10 +159,11 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         )
     }
 
-    /// Copies rank 0's buffers (BatchNorm running statistics, frozen weights) into every rank's
-    /// `module`: PyTorch DDP's `broadcast_buffers`, which it does before every forward pass. Call
-    /// it once per step when replicas are separate models (threads with independently built
-    /// models, or processes) and their buffers must stay identical.
+    /// Copies rank 0's buffers (BatchNorm running statistics; not frozen weights, which do not
+    /// change) into every rank's `module`: PyTorch DDP's `broadcast_buffers`, which it does
+    /// before every forward pass. Call it once per step when replicas are separate models
+    /// (threads with independently built models, or processes) and their buffers must stay
+    /// identical.
     ///
     /// # Errors
     /// The broadcast's errors.
@@ -149,11 +171,12 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         // `valid()` folds RunningState's pending updates into its value first; left pending,
         // they would overwrite the broadcast values at the next read.
         let _ = module.valid();
-        broadcast_buffers(
+        broadcast_selected(
             module,
             self.reducer.group().as_ref(),
             0,
             self.config.timeout(),
+            &self.reducer.replica().buffer_mask(),
         )
     }
 
@@ -166,7 +189,12 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     pub fn average_buffers<M: AutodiffModule<B>>(&self, module: M) -> Result<M> {
         // `valid()` folds RunningState's per-thread pending updates into its value.
         let _ = module.valid();
-        average_buffers(module, self.reducer.group().as_ref(), self.config.timeout())
+        average_selected(
+            module,
+            self.reducer.group().as_ref(),
+            self.config.timeout(),
+            &self.reducer.replica().buffer_mask(),
+        )
     }
 
     /// Checks that every rank's `module` holds bit-identical parameters and buffers (see
@@ -201,6 +229,12 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// The gradient bucket layout.
     pub fn bucket_layout(&self) -> &BucketLayout {
         self.reducer.layout()
+    }
+
+    /// The replica layout the ranks agreed on last (kinds of every float tensor: parameter,
+    /// frozen weight, buffer).
+    pub fn replica_layout(&self) -> &ReplicaLayout {
+        self.reducer.replica()
     }
 
     /// Communication counters since creation.

@@ -101,6 +101,22 @@ pub enum DdpError {
         detail: String,
     },
 
+    /// The model's tensors changed during training in a way the ranks cannot follow together: a
+    /// layer added, removed or replaced after the process group was set up, a layer frozen or
+    /// unfrozen on some ranks only, or gradients for tensors the model does not train. Reported
+    /// by every rank at the same gradient synchronisation.
+    #[error(
+        "the model changed during training (seen by rank {rank} at gradient synchronisation #{step}): {detail}"
+    )]
+    ModelChanged {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The gradient synchronisation (0-based, counted over the run) at which it was seen.
+        step: u64,
+        /// What changed, naming the tensor (index, path, shapes) and the ranks.
+        detail: String,
+    },
+
     /// Replicas that must be bit-identical are not (found by a consistency check).
     #[error(
         "replicas diverged by step {step} (seen by rank {rank}): tensor {tensor} differs from rank 0's on rank(s) {ranks:?}"
@@ -289,6 +305,7 @@ impl DdpError {
             | DdpError::Aborted { rank, .. }
             | DdpError::ReplicaMismatch { rank, .. }
             | DdpError::ReplicasDiverged { rank, .. }
+            | DdpError::ModelChanged { rank, .. }
             | DdpError::UnevenData { rank, .. }
             | DdpError::NonFinite { rank, .. }
             | DdpError::WorkerPanicked { rank, .. }

@@ -47,7 +47,7 @@ pub use error::{DdpError, Result};
 pub use group::{
     Collective, DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, TcpGroup, TcpGroupOptions, ThreadGroup,
 };
-pub use nccl::GradientCompression;
+pub use reducer::GradientCompression;
 pub use reducer::{Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
 pub use replica::{
     ReplicaLayout, TensorKind, TensorSpec, broadcast_buffers, broadcast_module,

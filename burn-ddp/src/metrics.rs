@@ -21,6 +21,12 @@ pub struct CommStats {
     pub all_reduce: Duration,
     /// Time spent splitting buckets back into gradients.
     pub unflatten: Duration,
+    /// Buckets sent as `f32` despite gradient compression, because their values spanned more
+    /// than the 16-bit format's range (see [`reducer::compress`](crate::reducer::compress)).
+    pub uncompressed_buckets: u64,
+    /// Steps at which the trainable tensors changed on every rank (a layer frozen or unfrozen)
+    /// and the buckets were rebuilt.
+    pub layout_changes: u64,
 }
 
 impl CommStats {

@@ -1,6 +1,7 @@
 //! What a model replica holds, in the order Burn registers it: parameters (float tensors that
-//! require gradients) and buffers (every other float tensor, e.g. BatchNorm's running mean and
-//! variance, which Burn keeps in `RunningState`).
+//! require gradients), frozen weights (parameters that do not, e.g. after `Module::no_grad`) and
+//! buffers (state updated by the forward pass, e.g. BatchNorm's running mean and variance, which
+//! Burn keeps in `RunningState`).
 //!
 //! This module owns the replica-wide operations that do not touch gradients:
 //! - [`ReplicaLayout`]: kinds, shapes and paths of every float tensor, and its fingerprint;
@@ -14,6 +15,7 @@
 //! It may call a [`ProcessGroup`]; it knows nothing of buckets or of burn-train.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::time::Duration;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -23,20 +25,45 @@ use burn::tensor::{Tensor, TensorData};
 use crate::group::ProcessGroup;
 use crate::{DdpError, Result};
 
-/// Whether a float tensor of a module is trained or only carried along.
+/// What a float tensor of a module is to data-parallel training.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TensorKind {
-    /// A float tensor that requires gradients: gradients are all-reduced every step.
+    /// A float tensor that requires gradients: its gradients are all-reduced every step.
     Parameter,
-    /// A float tensor without gradients (BatchNorm running statistics, frozen weights): kept
-    /// identical across replicas by broadcast.
+    /// A weight that does not require gradients (`Module::no_grad`, `set_require_grad(false)`):
+    /// broadcast at start-up, then left alone, as PyTorch DDP leaves parameters with
+    /// `requires_grad=False`. It becomes a [`Parameter`](Self::Parameter) again when unfrozen.
+    Frozen,
+    /// State the forward pass updates (Burn's `RunningState`: BatchNorm's running mean and
+    /// variance), PyTorch's buffers: kept identical across replicas after every step
+    /// ([`BufferSync`](crate::BufferSync)).
     Buffer,
+}
+
+impl TensorKind {
+    fn code(self) -> u64 {
+        match self {
+            TensorKind::Frozen => 0,
+            TensorKind::Parameter => 1,
+            TensorKind::Buffer => 2,
+        }
+    }
+
+    fn from_code(code: u64) -> Option<Self> {
+        match code {
+            0 => Some(TensorKind::Frozen),
+            1 => Some(TensorKind::Parameter),
+            2 => Some(TensorKind::Buffer),
+            _ => None,
+        }
+    }
 }
 
 impl fmt::Display for TensorKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             TensorKind::Parameter => "parameter",
+            TensorKind::Frozen => "frozen weight",
             TensorKind::Buffer => "buffer",
         })
     }
@@ -49,13 +76,14 @@ pub struct TensorSpec {
     pub index: usize,
     /// Dotted path of the tensor in the module, e.g. `conv1.weight`.
     pub path: String,
-    /// Parameter or buffer.
+    /// Parameter, frozen weight or buffer.
     pub kind: TensorKind,
     /// Shape, outermost dimension first.
     pub shape: Vec<usize>,
     /// Bytes per element (4 for `f32`).
     pub element_bytes: usize,
-    /// Burn's parameter id (the key of `GradientsParams`).
+    /// Burn's parameter id (the key of `GradientsParams`). A tensor reachable from two places of
+    /// the module tree (a shared weight) appears twice with the same id.
     pub id: ParamId,
 }
 
@@ -78,10 +106,50 @@ const WORDS_PER_TENSOR: usize = 12;
 const MAX_ENCODED_DIMS: usize = 8;
 const ABSENT: u64 = u64::MAX;
 
+/// Two hashes of a module's float tensors, cheap to take every step (no tensor data is read):
+/// `structure` covers their number, shapes, element sizes and ids; `trainable` which of them
+/// require gradients. The [`Reducer`](crate::Reducer) compares them with the layout the ranks
+/// agreed on to notice layers frozen, unfrozen, added or replaced during training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayoutFingerprints {
+    /// FNV-1a over the tensors' count, shapes, element sizes and ids, in registration order.
+    pub structure: u64,
+    /// FNV-1a over which tensors require gradients, in registration order.
+    pub trainable: u64,
+}
+
 impl ReplicaLayout {
-    /// Reads the layout of `module`. Initialises lazily created parameters (their values are needed
-    /// for the start-up broadcast anyway).
+    /// Reads the layout of `module`, telling parameters, frozen weights and buffers apart.
+    /// Initialises lazily created parameters (their values are needed for the start-up broadcast
+    /// anyway).
+    ///
+    /// Buffers are found by what Burn's `RunningState` does and a frozen weight does not: clones
+    /// of a module share one `RunningState`. The probe changes each tensor without gradients in a
+    /// clone of `module` to a marker and restores it at once; a tensor whose change shows in
+    /// `module` itself is a buffer. Probes are serialised process-wide: do not train another
+    /// clone of `module` on another thread while it runs (every rank builds its layout before its
+    /// first collective, so the ranks of one job never do).
     pub fn of<B: Backend, M: Module<B>>(module: &M) -> Self {
+        let mut layout = Self::scan(module);
+        let candidates: Vec<bool> = layout
+            .tensors
+            .iter()
+            .map(|t| t.kind != TensorKind::Parameter)
+            .collect();
+        if candidates.contains(&true) {
+            let shared = shared_state(module, &candidates);
+            for (tensor, shared) in layout.tensors.iter_mut().zip(shared) {
+                if shared {
+                    tensor.kind = TensorKind::Buffer;
+                }
+            }
+        }
+        layout
+    }
+
+    /// The layout of `module` without the buffer probe of [`of`](Self::of): every tensor without
+    /// gradients is [`TensorKind::Frozen`]. For comparing structures and naming tensors.
+    pub fn scan<B: Backend, M: Module<B>>(module: &M) -> Self {
         let mut collector = SpecCollector {
             path: Vec::new(),
             tensors: Vec::new(),
@@ -90,6 +158,27 @@ impl ReplicaLayout {
         Self {
             tensors: collector.tensors,
         }
+    }
+
+    /// This layout with the tensors' kinds as `now` (a [`scan`](Self::scan) of the same module
+    /// later) has them: a [`TensorKind::Buffer`] stays a buffer, every other tensor is a
+    /// parameter when it requires gradients and frozen otherwise. `now` must have this layout's
+    /// structure.
+    pub fn with_trainable(&self, now: &ReplicaLayout) -> Self {
+        let tensors = self
+            .tensors
+            .iter()
+            .zip(&now.tensors)
+            .map(|(agreed, now)| TensorSpec {
+                kind: if agreed.kind == TensorKind::Buffer {
+                    TensorKind::Buffer
+                } else {
+                    now.kind
+                },
+                ..now.clone()
+            })
+            .collect();
+        Self { tensors }
     }
 
     /// All float tensors, in registration order.
@@ -104,9 +193,17 @@ impl ReplicaLayout {
             .filter(|t| t.kind == TensorKind::Parameter)
     }
 
-    /// The buffers (float tensors without gradients), in registration order.
+    /// The buffers (state the forward pass updates), in registration order.
     pub fn buffers(&self) -> impl Iterator<Item = &TensorSpec> {
         self.tensors.iter().filter(|t| t.kind == TensorKind::Buffer)
+    }
+
+    /// For each float tensor in registration order, whether it is a buffer.
+    pub fn buffer_mask(&self) -> Vec<bool> {
+        self.tensors
+            .iter()
+            .map(|t| t.kind == TensorKind::Buffer)
+            .collect()
     }
 
     /// Total number of elements of all float tensors (the length of a full broadcast).
@@ -118,15 +215,26 @@ impl ReplicaLayout {
     /// ids, which legitimately differ between processes).
     pub fn fingerprint(&self) -> u64 {
         let words = self.tensors.iter().flat_map(|t| {
-            [
-                matches!(t.kind, TensorKind::Parameter) as u64,
-                t.shape.len() as u64,
-                t.element_bytes as u64,
-            ]
-            .into_iter()
-            .chain(t.shape.iter().map(|&d| d as u64))
+            [t.kind.code(), t.shape.len() as u64, t.element_bytes as u64]
+                .into_iter()
+                .chain(t.shape.iter().map(|&d| d as u64))
         });
         fnv(std::iter::once(self.tensors.len() as u64).chain(words))
+    }
+
+    /// The [`LayoutFingerprints`] of this layout (as [`fingerprints_of`] gives them for the module
+    /// it was read from).
+    pub fn fingerprints(&self) -> LayoutFingerprints {
+        let mut hashes = Hashes::default();
+        for t in &self.tensors {
+            hashes.add(
+                &t.shape,
+                t.element_bytes,
+                t.id,
+                t.kind == TensorKind::Parameter,
+            );
+        }
+        hashes.finish()
     }
 
     /// Checks that every rank of `group` has the same layout; every rank must call it.
@@ -180,7 +288,7 @@ impl ReplicaLayout {
     fn encode(&self, count: usize) -> Vec<u64> {
         let mut out = vec![ABSENT; count * WORDS_PER_TENSOR];
         for (t, words) in self.tensors.iter().zip(out.chunks_mut(WORDS_PER_TENSOR)) {
-            words[0] = matches!(t.kind, TensorKind::Parameter) as u64;
+            words[0] = t.kind.code();
             words[1] = t.shape.len() as u64;
             words[2] = t.numel() as u64;
             words[3] = t.element_bytes as u64;
@@ -196,15 +304,202 @@ impl ReplicaLayout {
     }
 }
 
+/// The [`LayoutFingerprints`] of `module` now (no tensor data is read).
+pub fn fingerprints_of<B: Backend, M: Module<B>>(module: &M) -> LayoutFingerprints {
+    struct Visit(Hashes);
+    impl<B: Backend> ModuleVisitor<B> for Visit {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let tensor = param.val();
+            self.0.add(
+                tensor.shape().as_slice(),
+                tensor.dtype().size(),
+                param.id,
+                tensor.is_require_grad(),
+            );
+        }
+    }
+    let mut visit = Visit(Hashes::default());
+    module.visit(&mut visit);
+    visit.0.finish()
+}
+
+/// Accumulates [`LayoutFingerprints`].
+#[derive(Default)]
+struct Hashes {
+    structure: Vec<u64>,
+    trainable: Vec<u64>,
+}
+
+impl Hashes {
+    fn add(&mut self, shape: &[usize], element_bytes: usize, id: ParamId, trainable: bool) {
+        self.structure.push(shape.len() as u64);
+        self.structure.extend(shape.iter().map(|&d| d as u64));
+        self.structure.push(element_bytes as u64);
+        self.structure.push(id.val());
+        self.trainable.push(u64::from(trainable));
+    }
+
+    fn finish(self) -> LayoutFingerprints {
+        let count = self.trainable.len() as u64;
+        LayoutFingerprints {
+            structure: fnv(std::iter::once(count).chain(self.structure)),
+            trainable: fnv(std::iter::once(count).chain(self.trainable)),
+        }
+    }
+}
+
+/// A model as the [`Reducer`](crate::Reducer) looks at it every step: its
+/// [fingerprints](LayoutFingerprints), and its tensors when they changed.
+pub trait ReplicaView {
+    /// The model's [`LayoutFingerprints`] now.
+    fn fingerprints(&self) -> LayoutFingerprints;
+    /// The model's tensors now ([`ReplicaLayout::scan`]: no buffer probe).
+    fn scan(&self) -> ReplicaLayout;
+}
+
+/// A layout as a model that never changes (for driving a [`Reducer`](crate::Reducer) without a
+/// module, e.g. in benchmarks).
+impl ReplicaView for ReplicaLayout {
+    fn fingerprints(&self) -> LayoutFingerprints {
+        ReplicaLayout::fingerprints(self)
+    }
+
+    fn scan(&self) -> ReplicaLayout {
+        self.clone()
+    }
+}
+
+/// A [`ReplicaView`] of a Burn module.
+pub struct Replica<'a, B: Backend, M: Module<B>> {
+    module: &'a M,
+    _backend: PhantomData<B>,
+}
+
+impl<'a, B: Backend, M: Module<B>> Replica<'a, B, M> {
+    /// Views `module`.
+    pub fn new(module: &'a M) -> Self {
+        Self {
+            module,
+            _backend: PhantomData,
+        }
+    }
+}
+
+impl<B: Backend, M: Module<B>> ReplicaView for Replica<'_, B, M> {
+    fn fingerprints(&self) -> LayoutFingerprints {
+        fingerprints_of(self.module)
+    }
+
+    fn scan(&self) -> ReplicaLayout {
+        ReplicaLayout::scan(self.module)
+    }
+}
+
+/// For each float tensor of `module` (registration order) with `candidates[i]`, whether its
+/// state is shared by clones of `module` (Burn's `RunningState`); see [`ReplicaLayout::of`].
+fn shared_state<B: Backend, M: Module<B>>(module: &M, candidates: &[bool]) -> Vec<bool> {
+    use std::any::Any;
+    static PROBE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _serialised = PROBE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+
+    /// A marked tensor's shape and value (a `Tensor<B, D>`, boxed: `D` varies).
+    type Original = (Vec<usize>, Box<dyn Any + Send>);
+    /// Replaces each candidate by a marker of another shape, keeping the original.
+    struct Mark<'a> {
+        candidates: &'a [bool],
+        index: usize,
+        originals: Vec<Option<Original>>,
+    }
+    impl<B: Backend> ModuleMapper<B> for Mark<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let index = self.index;
+            self.index += 1;
+            if !self.candidates.get(index).copied().unwrap_or(false) {
+                self.originals.push(None);
+                return param;
+            }
+            let (id, tensor, mapper) = param.consume();
+            let shape = tensor.shape().to_vec();
+            let mut dims = [1usize; D];
+            if shape.as_slice() == dims.as_slice() {
+                dims[0] = 2;
+            }
+            let marker = Tensor::<B, D>::zeros(dims, &tensor.device());
+            self.originals.push(Some((shape, Box::new(tensor))));
+            Param::from_mapped_value(id, marker, mapper)
+        }
+    }
+    /// Puts the originals back (through the clone, so shared state gets them too).
+    struct Restore {
+        index: usize,
+        originals: Vec<Option<Original>>,
+    }
+    impl<B: Backend> ModuleMapper<B> for Restore {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let index = self.index;
+            self.index += 1;
+            let Some(Some((_, original))) = self.originals.get_mut(index).map(Option::take) else {
+                return param;
+            };
+            match original.downcast::<Tensor<B, D>>() {
+                Ok(original) => {
+                    let (id, _, mapper) = param.consume();
+                    Param::from_mapped_value(id, *original, mapper)
+                }
+                Err(_) => param,
+            }
+        }
+    }
+    /// Whether each tensor now has another shape than its original.
+    struct Changed<'a> {
+        shapes: &'a [Option<Vec<usize>>],
+        index: usize,
+        changed: Vec<bool>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Changed<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let changed = match self.shapes.get(self.index) {
+                Some(Some(shape)) => param.val().shape().as_slice() != shape.as_slice(),
+                _ => false,
+            };
+            self.index += 1;
+            self.changed.push(changed);
+        }
+    }
+
+    let mut mark = Mark {
+        candidates,
+        index: 0,
+        originals: Vec::new(),
+    };
+    let marked = module.clone().map(&mut mark);
+    let shapes: Vec<Option<Vec<usize>>> = mark
+        .originals
+        .iter()
+        .map(|o| o.as_ref().map(|(shape, _)| shape.clone()))
+        .collect();
+    let mut changed = Changed {
+        shapes: &shapes,
+        index: 0,
+        changed: Vec::new(),
+    };
+    module.visit(&mut changed);
+    let _restored = marked.map(&mut Restore {
+        index: 0,
+        originals: mark.originals,
+    });
+    changed.changed
+}
+
 fn describe(words: &[u64]) -> String {
     if words[0] == ABSENT {
         return "no such tensor".into();
     }
-    let kind = if words[0] == 1 {
-        TensorKind::Parameter
-    } else {
-        TensorKind::Buffer
-    };
+    let kind = TensorKind::from_code(words[0])
+        .map(|k| k.to_string())
+        .unwrap_or_else(|| "tensor".into());
     let ndims = words[1] as usize;
     let mut dims: Vec<String> = words[4..4 + ndims.min(MAX_ENCODED_DIMS)]
         .iter()
@@ -239,7 +534,7 @@ impl<B: Backend> ModuleVisitor<B> for SpecCollector {
         let kind = if tensor.is_require_grad() {
             TensorKind::Parameter
         } else {
-            TensorKind::Buffer
+            TensorKind::Frozen
         };
         self.tensors.push(TensorSpec {
             index: self.tensors.len(),
@@ -262,47 +557,42 @@ enum Encoding {
     Values,
 }
 
-/// Packs every float tensor (only buffers, tensors without gradients, with `buffers_only`) in
-/// registration order into `f32` words. `select`, when set, says for each visited tensor (in
-/// the same order) whether to pack it.
-struct Pack {
+/// Which float tensors (registration order) an operation touches: `None`, all of them.
+type Selection<'a> = Option<&'a [bool]>;
+
+fn selected(select: Selection<'_>, index: usize) -> bool {
+    select.is_none_or(|select| select.get(index).copied().unwrap_or(false))
+}
+
+/// Packs the selected float tensors in registration order into `f32` words.
+struct Pack<'a> {
     words: Vec<f32>,
-    buffers_only: bool,
     encoding: Encoding,
-    select: Option<Vec<bool>>,
+    select: Selection<'a>,
     visited: usize,
     error: Option<String>,
 }
 
-impl Pack {
-    fn new(buffers_only: bool, encoding: Encoding, select: Option<Vec<bool>>) -> Self {
+impl<'a> Pack<'a> {
+    fn new(encoding: Encoding, select: Selection<'a>) -> Self {
         Self {
             words: Vec::new(),
-            buffers_only,
             encoding,
             select,
             visited: 0,
             error: None,
         }
     }
-
-    /// Whether the next visited tensor is selected (and counts it).
-    fn take(&mut self) -> bool {
-        let index = self.visited;
-        self.visited += 1;
-        self.select
-            .as_ref()
-            .is_none_or(|select| select.get(index).copied().unwrap_or(false))
-    }
 }
 
-impl<B: Backend> ModuleVisitor<B> for Pack {
+impl<B: Backend> ModuleVisitor<B> for Pack<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let tensor = param.val();
-        if (self.buffers_only && tensor.is_require_grad()) || !self.take() {
+        let index = self.visited;
+        self.visited += 1;
+        if !selected(self.select, index) {
             return;
         }
-        let data = tensor.into_data();
+        let data = param.val().into_data();
         match self.encoding {
             Encoding::Bytes => self.words.extend(data.as_bytes().chunks(4).map(|chunk| {
                 let mut word = [0u8; 4];
@@ -323,29 +613,22 @@ impl<B: Backend> ModuleVisitor<B> for Pack {
     }
 }
 
-/// Replaces every float tensor (only buffers with `buffers_only`) by the next words of `words`
-/// (as packed by [`Pack`] with the same encoding), keeping shape, device, dtype and whether it
-/// requires gradients.
+/// Replaces the selected float tensors by the next words of `words` (as packed by [`Pack`] with
+/// the same encoding and selection), keeping shape, device, dtype and whether it requires
+/// gradients.
 struct Unpack<'a> {
     words: &'a [f32],
     offset: usize,
-    buffers_only: bool,
     encoding: Encoding,
-    select: Option<Vec<bool>>,
+    select: Selection<'a>,
     visited: usize,
 }
 
 impl<'a> Unpack<'a> {
-    fn new(
-        words: &'a [f32],
-        buffers_only: bool,
-        encoding: Encoding,
-        select: Option<Vec<bool>>,
-    ) -> Self {
+    fn new(words: &'a [f32], encoding: Encoding, select: Selection<'a>) -> Self {
         Self {
             words,
             offset: 0,
-            buffers_only,
             encoding,
             select,
             visited: 0,
@@ -355,17 +638,12 @@ impl<'a> Unpack<'a> {
 
 impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        if self.buffers_only && tensor.is_require_grad() {
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
         let index = self.visited;
         self.visited += 1;
-        if let Some(select) = &self.select
-            && !select.get(index).copied().unwrap_or(false)
-        {
-            return Param::from_mapped_value(id, tensor, mapper);
+        if !selected(self.select, index) {
+            return param;
         }
+        let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
         let dtype = tensor.dtype();
         let numel = shape.num_elements();
@@ -395,33 +673,34 @@ impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
     }
 }
 
-/// Broadcasts the packed tensors of `module` from `root` and writes them into the other ranks'
-/// modules.
+/// Broadcasts the selected tensors of `module` from `root` and writes them into the other
+/// ranks' modules.
 fn broadcast_tensors<B: Backend, M: Module<B>>(
     module: M,
     group: &dyn ProcessGroup,
     root: usize,
     timeout: Duration,
-    buffers_only: bool,
+    select: Selection<'_>,
 ) -> Result<M> {
-    let mut pack = Pack::new(buffers_only, Encoding::Bytes, None);
+    let mut pack = Pack::new(Encoding::Bytes, select);
     module.visit(&mut pack);
     let mut words = pack.words;
     group.broadcast(&mut words, root, timeout)?;
     if group.rank() == root {
         return Ok(module);
     }
-    let mut unpack = Unpack::new(&words, buffers_only, Encoding::Bytes, None);
+    let mut unpack = Unpack::new(&words, Encoding::Bytes, select);
     Ok(module.map(&mut unpack))
 }
 
-/// Replaces every rank's buffers (float tensors without gradients) that differ between ranks by
-/// their average over the ranks; every rank must call it. For BatchNorm's running statistics this
-/// is the average of the replicas' statistics, which is what Burn's `RunningState` computes for
-/// replicas that are threads sharing one module. Buffers already identical on every rank (frozen
-/// weights) are left alone: averaging N equal values can change their last bit. Costs one
-/// all-gather of one `u64` per buffer, and one all-reduce of the differing buffers as `f32`.
-/// Flush `RunningState`'s pending updates first (`AutodiffModule::valid` does).
+/// Replaces every rank's buffers (state the forward pass updates, e.g. BatchNorm's running
+/// statistics; not frozen weights) that differ between ranks by their average over the ranks;
+/// every rank must call it. For BatchNorm's running statistics this is the average of the
+/// replicas' statistics, which is what Burn's `RunningState` computes for replicas that are
+/// threads sharing one module. Buffers already identical on every rank are left alone: averaging
+/// N equal values can change their last bit. Costs one all-gather of one `u64` per buffer, and
+/// one all-reduce of the differing buffers as `f32`. Flush `RunningState`'s pending updates first
+/// (`AutodiffModule::valid` does).
 ///
 /// # Errors
 /// The collectives' errors; [`DdpError::Bucket`] when a buffer cannot be read as `f32`.
@@ -430,15 +709,27 @@ pub fn average_buffers<B: Backend, M: Module<B>>(
     group: &dyn ProcessGroup,
     timeout: Duration,
 ) -> Result<M> {
-    let mut hashes = Fingerprints {
-        hashes: Vec::new(),
-        buffers_only: true,
-    };
-    module.visit(&mut hashes);
-    if hashes.hashes.is_empty() {
+    let buffers = ReplicaLayout::of(&module).buffer_mask();
+    average_selected(module, group, timeout, &buffers)
+}
+
+/// [`average_buffers`] of the tensors `select` marks (registration order).
+pub(crate) fn average_selected<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    timeout: Duration,
+    select: &[bool],
+) -> Result<M> {
+    if !select.contains(&true) {
         // Every rank has the same layout, so every rank skips the collectives together.
         return Ok(module);
     }
+    let mut hashes = Fingerprints {
+        hashes: Vec::new(),
+        select: Some(select),
+        visited: 0,
+    };
+    module.visit(&mut hashes);
     let count = hashes.hashes.len();
     let all = group.all_gather(&hashes.hashes, timeout)?;
     let differs: Vec<bool> = (0..count)
@@ -447,7 +738,13 @@ pub fn average_buffers<B: Backend, M: Module<B>>(
     if !differs.contains(&true) {
         return Ok(module);
     }
-    let mut pack = Pack::new(true, Encoding::Values, Some(differs.clone()));
+    // The selection among all tensors: selected and differing.
+    let mut differing = differs.into_iter();
+    let chosen: Vec<bool> = select
+        .iter()
+        .map(|&s| s && differing.next().unwrap_or(false))
+        .collect();
+    let mut pack = Pack::new(Encoding::Values, Some(&chosen));
     module.visit(&mut pack);
     if let Some(detail) = pack.error {
         group.abort(&detail);
@@ -459,7 +756,7 @@ pub fn average_buffers<B: Backend, M: Module<B>>(
     }
     let mut words = pack.words;
     group.all_reduce(&mut words, crate::group::ReduceOp::Avg, timeout)?;
-    let mut unpack = Unpack::new(&words, true, Encoding::Values, Some(differs));
+    let mut unpack = Unpack::new(&words, Encoding::Values, Some(&chosen));
     Ok(module.map(&mut unpack))
 }
 
@@ -479,12 +776,12 @@ pub fn broadcast_module<B: Backend, M: Module<B>>(
     root: usize,
     timeout: Duration,
 ) -> Result<M> {
-    broadcast_tensors(module, group, root, timeout, false)
+    broadcast_tensors(module, group, root, timeout, None)
 }
 
-/// Copies `root`'s buffers (float tensors without gradients, e.g. BatchNorm running statistics)
-/// into every rank's `module`; parameters are left alone. Every rank must call it. This is PyTorch
-/// DDP's `broadcast_buffers`.
+/// Copies `root`'s buffers (state the forward pass updates, e.g. BatchNorm running statistics)
+/// into every rank's `module`; parameters and frozen weights are left alone. Every rank must call
+/// it. This is PyTorch DDP's `broadcast_buffers`.
 ///
 /// # Errors
 /// As [`broadcast_module`].
@@ -494,21 +791,40 @@ pub fn broadcast_buffers<B: Backend, M: Module<B>>(
     root: usize,
     timeout: Duration,
 ) -> Result<M> {
-    broadcast_tensors(module, group, root, timeout, true)
+    let buffers = ReplicaLayout::of(&module).buffer_mask();
+    broadcast_selected(module, group, root, timeout, &buffers)
 }
 
-/// The buffers of `module` (float tensors without gradients), as raw words: what
-/// [`restore_buffers`] puts back. Flush `RunningState`'s pending updates first if they must count
-/// (`AutodiffModule::valid` does).
-pub fn snapshot_buffers<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
-    let mut pack = Pack::new(true, Encoding::Bytes, None);
+/// [`broadcast_buffers`] of the tensors `select` marks (registration order).
+pub(crate) fn broadcast_selected<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    root: usize,
+    timeout: Duration,
+    select: &[bool],
+) -> Result<M> {
+    if !select.contains(&true) {
+        return Ok(module);
+    }
+    broadcast_tensors(module, group, root, timeout, Some(select))
+}
+
+/// The tensors of `module` that `select` marks (registration order), as raw words: what
+/// [`restore_selected`] puts back. Flush `RunningState`'s pending updates first if they must
+/// count (`AutodiffModule::valid` does).
+pub(crate) fn snapshot_selected<B: Backend, M: Module<B>>(module: &M, select: &[bool]) -> Vec<f32> {
+    let mut pack = Pack::new(Encoding::Bytes, Some(select));
     module.visit(&mut pack);
     pack.words
 }
 
-/// Writes a [`snapshot_buffers`] snapshot back into `module`'s buffers.
-pub fn restore_buffers<B: Backend, M: Module<B>>(module: M, snapshot: &[f32]) -> M {
-    let mut unpack = Unpack::new(snapshot, true, Encoding::Bytes, None);
+/// Writes a [`snapshot_selected`] snapshot back into `module`.
+pub(crate) fn restore_selected<B: Backend, M: Module<B>>(
+    module: M,
+    snapshot: &[f32],
+    select: &[bool],
+) -> M {
+    let mut unpack = Unpack::new(snapshot, Encoding::Bytes, Some(select));
     module.map(&mut unpack)
 }
 
@@ -518,7 +834,8 @@ pub fn restore_buffers<B: Backend, M: Module<B>>(module: M, snapshot: &[f32]) ->
 pub fn tensor_fingerprints<B: Backend, M: Module<B>>(module: &M) -> Vec<u64> {
     let mut hasher = Fingerprints {
         hashes: Vec::new(),
-        buffers_only: false,
+        select: None,
+        visited: 0,
     };
     module.visit(&mut hasher);
     hasher.hashes
@@ -551,7 +868,7 @@ pub fn verify_values_across<B: Backend, M: Module<B>>(
     let per_rank = group.all_gather(&hashes, timeout)?;
     let count = hashes.len().max(1);
     let ranks: Vec<&[u64]> = per_rank.chunks(count).collect();
-    let layout = ReplicaLayout::of(module);
+    let layout = ReplicaLayout::scan(module);
     let (index, diverged) = (0..hashes.len())
         .find_map(|i| {
             let differing: Vec<usize> = (1..ranks.len())
@@ -573,7 +890,7 @@ pub fn verify_values_across<B: Backend, M: Module<B>>(
     })
 }
 
-fn fnv(words: impl Iterator<Item = u64>) -> u64 {
+pub(crate) fn fnv(words: impl Iterator<Item = u64>) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for word in words {
         for byte in word.to_le_bytes() {
@@ -584,18 +901,20 @@ fn fnv(words: impl Iterator<Item = u64>) -> u64 {
     hash
 }
 
-struct Fingerprints {
+struct Fingerprints<'a> {
     hashes: Vec<u64>,
-    buffers_only: bool,
+    select: Selection<'a>,
+    visited: usize,
 }
 
-impl<B: Backend> ModuleVisitor<B> for Fingerprints {
+impl<B: Backend> ModuleVisitor<B> for Fingerprints<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let tensor = param.val();
-        if self.buffers_only && tensor.is_require_grad() {
+        let index = self.visited;
+        self.visited += 1;
+        if !selected(self.select, index) {
             return;
         }
-        let data = tensor.into_data();
+        let data = param.val().into_data();
         // Hash the raw bytes: exact for every dtype.
         let bytes = data.as_bytes();
         let words = bytes.chunks(8).map(|c| {
@@ -605,5 +924,98 @@ impl<B: Backend> ModuleVisitor<B> for Fingerprints {
         });
         self.hashes
             .push(fnv(words.chain(std::iter::once(bytes.len() as u64))));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::module::Module;
+    use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
+
+    type B = Autodiff<NdArray>;
+
+    #[derive(Module, Debug)]
+    struct Net<B: Backend> {
+        trained: Linear<B>,
+        frozen: Linear<B>,
+        norm: BatchNorm<B>,
+    }
+
+    fn net() -> Net<B> {
+        let device = Default::default();
+        Net {
+            trained: LinearConfig::new(3, 4).init(&device),
+            frozen: LinearConfig::new(4, 4).init(&device).no_grad(),
+            norm: BatchNormConfig::new(4).init(&device),
+        }
+    }
+
+    #[test]
+    fn frozen_weights_and_running_statistics_are_told_apart() {
+        let model = net();
+        let before = tensor_fingerprints(&model);
+        let layout = ReplicaLayout::of(&model);
+        let kinds: Vec<(String, TensorKind)> = layout
+            .tensors()
+            .iter()
+            .map(|t| (t.path.clone(), t.kind))
+            .collect();
+        let expect = |path: &str, kind| (path.to_string(), kind);
+        assert_eq!(
+            kinds,
+            vec![
+                expect("trained.weight", TensorKind::Parameter),
+                expect("trained.bias", TensorKind::Parameter),
+                expect("frozen.weight", TensorKind::Frozen),
+                expect("frozen.bias", TensorKind::Frozen),
+                expect("norm.gamma", TensorKind::Parameter),
+                expect("norm.beta", TensorKind::Parameter),
+                expect("norm.running_mean", TensorKind::Buffer),
+                expect("norm.running_var", TensorKind::Buffer),
+            ]
+        );
+        // The probe leaves the model as it found it (values and shapes).
+        assert_eq!(tensor_fingerprints(&model), before);
+        assert_eq!(ReplicaLayout::scan(&model).tensors()[6].shape, vec![4]);
+    }
+
+    #[test]
+    fn fingerprints_notice_unfreezing_and_new_ids_but_not_values() {
+        let model = net();
+        let agreed = ReplicaLayout::of(&model);
+        assert_eq!(fingerprints_of(&model), agreed.fingerprints());
+        // New values, same tensors: same fingerprints.
+        let moved = Net {
+            trained: LinearConfig::new(3, 4).init(&Default::default()),
+            ..model.clone()
+        };
+        let ids_changed = fingerprints_of(&moved);
+        assert_eq!(ids_changed.trainable, agreed.fingerprints().trainable);
+        assert_ne!(ids_changed.structure, agreed.fingerprints().structure);
+        // Unfrozen: the trainable hash changes, the structure does not.
+        let unfrozen = Net {
+            frozen: model.frozen.clone().map(&mut Trainable),
+            ..model.clone()
+        };
+        let now = fingerprints_of(&unfrozen);
+        assert_eq!(now.structure, agreed.fingerprints().structure);
+        assert_ne!(now.trainable, agreed.fingerprints().trainable);
+        let kinds: Vec<TensorKind> = agreed
+            .with_trainable(&ReplicaLayout::scan(&unfrozen))
+            .tensors()
+            .iter()
+            .map(|t| t.kind)
+            .collect();
+        assert_eq!(kinds[2..4], [TensorKind::Parameter; 2]);
+        assert_eq!(kinds[6..8], [TensorKind::Buffer; 2]);
+    }
+
+    struct Trainable;
+    impl<B: Backend> ModuleMapper<B> for Trainable {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            param.set_require_grad(true)
+        }
     }
 }

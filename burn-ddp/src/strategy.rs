@@ -703,10 +703,9 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
         let mut total_steps = 0u64;
         let mut attempted = 0u64;
         // BatchNorm statistics are updated in the forward pass: a skipped step must undo that.
-        let has_buffers = crate::replica::ReplicaLayout::of(&self.learner.model())
-            .buffers()
-            .next()
-            .is_some();
+        // Only buffers: frozen weights do not change.
+        let buffers = ddp.replica_layout().buffer_mask();
+        let has_buffers = buffers.contains(&true);
 
         for epoch in self.epochs.clone() {
             let epoch_start = Instant::now();
@@ -762,7 +761,10 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 }
                 if has_buffers && policy == NonFinite::SkipStep && micro_batches == 0 {
                     // Taken before this step's forward passes touch BatchNorm statistics.
-                    buffer_snapshot = Some(crate::replica::snapshot_buffers(&self.learner.model()));
+                    buffer_snapshot = Some(crate::replica::snapshot_selected(
+                        &self.learner.model(),
+                        &buffers,
+                    ));
                 }
                 let output = item.map(|item| {
                     let started = Instant::now();
@@ -807,7 +809,8 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                         clip_norm: self.config.clip_grad_norm(),
                         check_finite: policy != NonFinite::Ignore,
                     };
-                    let outcome = ddp.sync_gradients_with(grads, &options)?;
+                    let outcome =
+                        ddp.sync_gradients_with(&self.learner.model(), grads, &options)?;
                     if outcome.non_finite {
                         if policy == NonFinite::Error {
                             let flags = self.group.all_gather(
@@ -827,7 +830,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                             let model = self.learner.model();
                             // Fold the pending updates first, so they cannot land afterwards.
                             let _ = model.valid();
-                            let model = crate::replica::restore_buffers(model, snapshot);
+                            let model = crate::replica::restore_selected(model, snapshot, &buffers);
                             self.learner.load_model(model.into_record());
                         }
                         tracing::warn!(

@@ -145,3 +145,40 @@ fn an_interrupt_on_one_rank_stops_every_rank_at_the_same_step() {
         assert_eq!(rank.batches, 3, "rank {}", rank.rank);
     }
 }
+
+#[test]
+fn results_that_are_not_finite_never_compare_as_equal() {
+    let nan = vec![vec![f32::NAN, 1.0]];
+    assert!(max_relative_difference(&nan, &nan).is_infinite());
+    let inf = vec![vec![f32::INFINITY]];
+    assert!(max_relative_difference(&inf, &[vec![1.0]]).is_infinite());
+    assert!(max_relative_difference(&[vec![1.0]], &inf).is_infinite());
+    // Finite values: the largest difference relative to each tensor's largest magnitude.
+    let diff = max_relative_difference(&[vec![1.0, 2.5], vec![0.0]], &[vec![1.0, 2.0], vec![0.0]]);
+    assert_eq!(diff, 0.25);
+}
+
+#[test]
+fn many_small_buckets_match_single_device_training() {
+    // Caps of 16 bytes for the first bucket and 100 after split the MLP's 4 parameters into 4
+    // buckets (fc2.bias, fc2.weight, fc1.bias, fc1.weight): flatten and unflatten across
+    // buckets, as for any model over 1 MiB with the default caps.
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let mut run = Run::new(None, 32, 20 * 32);
+    let (single, _) = run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run).unwrap();
+    run.replicas = Some(2);
+    run.config = burn_ddp::DdpConfig::default()
+        .with_first_bucket_cap_bytes(16)
+        .with_bucket_cap_bytes(100);
+    let (ddp, report) = run_training(model, AdamConfig::new().init(), 1e-2, &run).unwrap();
+    assert_trained_and_equal(&initial, &single, &ddp);
+    for rank in report.unwrap().ranks {
+        assert_eq!(
+            rank.comm.buckets,
+            4 * 20,
+            "rank {}: 4 buckets per step",
+            rank.rank
+        );
+    }
+}

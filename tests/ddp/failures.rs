@@ -96,7 +96,7 @@ fn a_rank_that_never_calls_the_all_reduce_is_named_within_the_timeout() {
                     let batch: Batch<TestBackend> = ItemBatcher.batch(data, &device());
                     let output = TrainStep::step(&model, batch);
                     let started = Instant::now();
-                    let result = ddp.sync_gradients(output.grads).map(|_| ());
+                    let result = ddp.sync_gradients(&model, output.grads).map(|_| ());
                     let elapsed = started.elapsed();
                     let _ = done_tx.send(());
                     Some((result, elapsed))

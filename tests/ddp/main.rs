@@ -2,6 +2,7 @@
 //!
 //! Multi-rank runs are threads of this process (ThreadGroup); every wait is bounded by a timeout.
 
+mod changes;
 mod equivalence;
 mod failures;
 mod processes;

@@ -133,9 +133,10 @@ fn two_and_four_processes_end_with_the_parameters_of_the_same_run_with_threads()
         for (spec, (p, t)) in layout.tensors().iter().zip(processes.iter().zip(&threads)) {
             match spec.kind {
                 // The same samples, the same ring order of the sums: the same bits.
-                TensorKind::Parameter => assert!(
+                TensorKind::Parameter | TensorKind::Frozen => assert!(
                     p.iter().zip(t).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{n} processes: parameter `{}` differs from the threads' run",
+                    "{n} processes: {} `{}` differs from the threads' run",
+                    spec.kind,
                     spec.path
                 ),
                 // BatchNorm statistics are averaged in a different order (threads: Burn's

@@ -50,7 +50,7 @@ fn independently_built_replicas_hold_identical_parameters_and_buffers_after_ever
                         let shard = data[step * 16 + rank * 8..step * 16 + rank * 8 + 8].to_vec();
                         let batch: Batch<TestBackend> = ItemBatcher.batch(shard, &device());
                         let output = TrainStep::step(&model, batch);
-                        let grads = ddp.sync_gradients(output.grads).unwrap();
+                        let grads = ddp.sync_gradients(&model, output.grads).unwrap();
                         model = optim.step(1e-2, model, grads);
                         model = ddp.sync_buffers(model).unwrap();
                         let fingerprint = value_fingerprint(&model);

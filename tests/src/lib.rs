@@ -355,20 +355,23 @@ pub fn float_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<Vec<f32>> {
 }
 
 /// Largest difference between two sets of tensors, relative to each tensor's largest magnitude:
-/// `max over tensors of max_i |a_i - b_i| / max_i |b_i|`.
+/// `max over tensors of max_i |a_i - b_i| / max_i |b_i|`. A value that is not finite on either
+/// side makes it infinite (`f32::max` would drop a NaN, and two runs that both ended in NaN
+/// would compare as equal).
 pub fn max_relative_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     assert_eq!(a.len(), b.len(), "different number of tensors");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            assert_eq!(x.len(), y.len(), "tensors of different sizes");
-            let scale = y
-                .iter()
-                .fold(0f32, |m, v| m.max(v.abs()))
-                .max(f32::MIN_POSITIVE);
-            x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale
-        })
-        .fold(0f32, f32::max)
+    let differences = a.iter().zip(b).map(|(x, y)| {
+        assert_eq!(x.len(), y.len(), "tensors of different sizes");
+        if x.iter().chain(y).any(|v| !v.is_finite()) {
+            return f32::INFINITY;
+        }
+        let scale = y
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
+            .max(f32::MIN_POSITIVE);
+        x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale
+    });
+    differences.fold(0f32, f32::max)
 }
 
 /// How to train in [`run_training`].

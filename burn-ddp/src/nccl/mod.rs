@@ -1,18 +1,15 @@
-//! NCCL: the process group of CUDA devices ([`NcclGroup`], feature `cuda`), how `libnccl` is
-//! found and loaded at run time ([`library`], [`api`]), and gradient compression for the wire
-//! ([`compress`]).
+//! NCCL: the process group of CUDA devices ([`NcclGroup`], feature `cuda`), and how `libnccl`
+//! is found and loaded at run time ([`library`], [`api`]).
 //!
-//! The library lookup, the C API's types and the compression are plain Rust and Burn tensor
-//! operations, built and tested without a GPU; the group itself needs the `cuda` feature.
+//! The library lookup and the C API's types are plain Rust, built and tested without a GPU; the
+//! group itself needs the `cuda` feature.
 
 pub mod api;
-pub mod compress;
 #[cfg(feature = "cuda")]
 pub mod group;
 pub mod library;
 
 pub use api::{NcclApi, NcclUniqueId};
-pub use compress::GradientCompression;
 #[cfg(feature = "cuda")]
 pub use group::{NcclGroup, NcclIdSource, check_cuda_driver, cuda_device_count};
 

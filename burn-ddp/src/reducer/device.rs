@@ -1,0 +1,394 @@
+//! Device buckets, for process groups that [reduce device tensors](ProcessGroup::reduces_device_tensors)
+//! (NCCL on CUDA): the gradients, their presence flags and the control words are concatenated on
+//! the device, optionally sent in a 16-bit format ([`compress`](super::compress)), all-reduced in
+//! place in device memory and sliced back into gradients, with no trip through the host. What the
+//! host must know (flags, control words, the checks' inputs) comes back in one small read per
+//! phase.
+//!
+//! The NaN probe is the sum of `values * 0` (NaN exactly when a value is not finite; it cannot
+//! overflow); the sum of squares is taken per bucket as `max|v|^2 * sum((v / max|v|)^2)`, which
+//! cannot overflow `f32` either, and assembled in `f64`. Device reductions need not be
+//! deterministic, so these inputs are averaged across ranks (a tiny host all-reduce) before the
+//! verdict, and every rank decides the same.
+
+use std::time::Instant;
+
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
+
+use super::compress::{Fallback, GradientCompression, Wire, choose_wire, from_wire, to_wire};
+use super::layout::BucketLayout;
+use super::{Control, Gradients, ReduceOptions, Reducer, register_shaped};
+use crate::group::ReduceOp;
+use crate::replica::TensorSpec;
+use crate::{DdpError, Result};
+
+/// One phase's buckets after the all-reduce.
+pub(super) struct DevicePhase<B: Backend> {
+    /// Per bucket, as `f32`: reduced values, then flags, then (first bucket) control words.
+    reduced: Vec<Tensor<B, 1>>,
+    /// Per bucket with values: this rank's NaN probe before the all-reduce.
+    local_probes: Vec<Tensor<B, 1>>,
+    /// Whether the first bucket carries control words.
+    control: bool,
+}
+
+/// What one read of a [`DevicePhase`] brings to the host.
+pub(super) struct DeviceRead {
+    /// Every bucket's reduced presence flags, in bucket order.
+    pub flags: Vec<f32>,
+    /// The reduced control words.
+    pub control: Option<Control>,
+    /// Per bucket: the NaN probe (with `check_finite`); then per bucket `max|v|` and
+    /// `sum((v / max)^2)` (with clipping). Not yet averaged across ranks.
+    pub checks: Vec<f32>,
+    /// This rank's own gradients held NaN or infinity.
+    pub local_non_finite: bool,
+}
+
+impl Reducer {
+    /// All-reduces `taken` (per bucket of `layout`, per parameter: this rank's flat gradient) in
+    /// device buckets on `device`. `control` goes into the first bucket.
+    pub(super) fn reduce_device<B: Backend>(
+        &mut self,
+        layout: &BucketLayout,
+        specs: &[TensorSpec],
+        taken: Gradients<B>,
+        control: Option<Control>,
+        options: &ReduceOptions,
+        device: &B::Device,
+    ) -> Result<DevicePhase<B>> {
+        let world_size = self.group.world_size();
+        let started = Instant::now();
+        // This rank's buckets: weighted values (None for a bucket without parameters) and flags.
+        let mut values: Vec<Option<Tensor<B, 1>>> = Vec::with_capacity(layout.buckets().len());
+        let mut flags: Vec<Vec<f32>> = Vec::with_capacity(layout.buckets().len());
+        let mut local_probes = Vec::new();
+        for (bucket, grads) in layout.buckets().iter().zip(taken) {
+            let mut parts = Vec::with_capacity(bucket.params.len());
+            let mut present = Vec::with_capacity(bucket.params.len());
+            for (&p, grad) in bucket.params.iter().zip(grads) {
+                match grad {
+                    Some(grad) => {
+                        parts.push(grad);
+                        present.push(1.0f32);
+                    }
+                    None => {
+                        parts.push(Tensor::zeros([specs[p].numel()], device));
+                        present.push(0.0);
+                    }
+                }
+            }
+            let bucket_values = (bucket.numel > 0).then(|| {
+                let mut v = Tensor::cat(parts, 0);
+                if options.check_finite {
+                    local_probes.push(non_finite_probe(v.clone()));
+                }
+                // The weight scales the gradients only: a flag says "had a gradient" whatever
+                // the weight (as on the host path).
+                if options.weight != 1.0 {
+                    v = v.mul_scalar(options.weight);
+                }
+                v
+            });
+            values.push(bucket_values);
+            flags.push(present);
+        }
+        let wires = self.agree_wires(&values, options)?;
+        let mut reduced = Vec::with_capacity(values.len());
+        let divide = match options.op {
+            ReduceOp::Avg => world_size as f32,
+            ReduceOp::Sum => 1.0,
+        };
+        let mut flattened = started.elapsed();
+        for (bucket_index, (bucket_values, present)) in values.into_iter().zip(flags).enumerate() {
+            let started = Instant::now();
+            let numel = layout.buckets()[bucket_index].numel;
+            let mut rest = present;
+            if let (0, Some(control)) = (bucket_index, control) {
+                rest.extend_from_slice(&control.words());
+            }
+            let count = rest.len();
+            let rest = Tensor::<B, 1>::from_data(TensorData::new(rest, [count]), device);
+            let wire = wires[bucket_index];
+            let flat = match bucket_values {
+                Some(v) => to_wire(v, rest, wire, self.compression, divide),
+                // Flags and control words only.
+                None => match (wire, self.compression.wire_dtype()) {
+                    (Wire::Half { .. }, Some(dtype)) => rest.div_scalar(divide).cast(dtype),
+                    _ => rest,
+                },
+            };
+            let wire_op = match wire {
+                Wire::F32 => options.op,
+                Wire::Half { .. } => ReduceOp::Sum,
+            };
+            let element_bytes = match wire {
+                Wire::F32 => 4,
+                Wire::Half { .. } => self.compression.element_bytes(),
+            };
+            let mut primitive = flat.into_primitive().tensor();
+            flattened += started.elapsed();
+            let reducing = Instant::now();
+            let done = self
+                .group
+                .all_reduce_device(&mut primitive, wire_op, self.timeout)
+                .inspect_err(|err| {
+                    // A rank that fails before NCCL starts (a buffer NCCL cannot take) must not
+                    // leave its peers waiting in theirs.
+                    self.group.abort(&err.to_string());
+                })?;
+            if !done {
+                return Err(self.fail_bucket(
+                    bucket_index,
+                    format!(
+                        "the {} process group reduces device tensors, but not this backend's; \
+                         use CUDA devices with it",
+                        self.group.backend()
+                    ),
+                ));
+            }
+            let on_wire = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(primitive));
+            reduced.push(from_wire(on_wire, wire, numel));
+            self.stats.all_reduce += reducing.elapsed();
+            self.stats.buckets += 1;
+            self.stats.bytes += (numel + count) * element_bytes;
+        }
+        self.stats.flatten += flattened;
+        Ok(DevicePhase {
+            reduced,
+            local_probes,
+            control: control.is_some(),
+        })
+    }
+
+    /// The wire of every bucket this step: `f32` without compression; with it, the ranks agree on
+    /// each bucket's magnitudes first (one read to the host and one all-gather of two words per
+    /// bucket) and [`choose_wire`] decides.
+    fn agree_wires<B: Backend>(
+        &mut self,
+        values: &[Option<Tensor<B, 1>>],
+        options: &ReduceOptions,
+    ) -> Result<Vec<Wire>> {
+        if self.compression == GradientCompression::None {
+            return Ok(vec![Wire::F32; values.len()]);
+        }
+        let rank = self.group.rank();
+        let mut stats: Vec<Tensor<B, 1>> = Vec::new();
+        for v in values.iter().flatten() {
+            let magnitude = v.clone().abs();
+            stats.push(magnitude.clone().max());
+            let zero = magnitude.clone().equal_elem(0.0);
+            stats.push(magnitude.mask_fill(zero, f32::INFINITY).min());
+        }
+        let local: Vec<f32> = if stats.is_empty() {
+            Vec::new()
+        } else {
+            Tensor::cat(stats, 0)
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .map_err(|e| DdpError::Bucket {
+                    rank,
+                    bucket: 0,
+                    detail: format!("cannot read the buckets' magnitudes back: {e:?}"),
+                })?
+        };
+        let bits: Vec<u64> = local.iter().map(|v| u64::from(v.to_bits())).collect();
+        let all = self.group.all_gather(&bits, self.timeout)?;
+        let per_rank = bits.len();
+        let value = |r: usize, i: usize| f32::from_bits(all[r * per_rank + i] as u32);
+        let ranks = self.group.world_size();
+        let mut wires = Vec::with_capacity(values.len());
+        let mut at = 0;
+        for (bucket_index, v) in values.iter().enumerate() {
+            if v.is_none() {
+                // Flags and control words only: no values to scale.
+                wires.push(
+                    choose_wire(self.compression, options.op, ranks, 0.0, f32::INFINITY)
+                        .unwrap_or(Wire::F32),
+                );
+                continue;
+            }
+            let (mut max, mut min) = (0f32, f32::INFINITY);
+            for r in 0..ranks {
+                // `max` of NaN stays NaN, so a NaN anywhere is seen by every rank.
+                let (rmax, rmin) = (value(r, at), value(r, at + 1));
+                max = if rmax.is_nan() || max.is_nan() {
+                    f32::NAN
+                } else {
+                    max.max(rmax)
+                };
+                min = min.min(rmin);
+            }
+            let wire = match choose_wire(self.compression, options.op, ranks, max, min) {
+                Ok(wire) => wire,
+                Err(Fallback::NonFinite) => Wire::F32,
+                Err(Fallback::Range) => {
+                    self.stats.uncompressed_buckets += 1;
+                    let (mine_max, mine_min) = (local[at], local[at + 1]);
+                    // The ranks that hold an extreme name themselves, once per bucket.
+                    if (mine_min == min || mine_max == max) && self.warned.insert(bucket_index) {
+                        tracing::warn!(
+                            "burn-ddp: rank {rank}: {:?} gradient compression: bucket \
+                             {bucket_index} holds gradients from {min:e} to {max:e} (over all \
+                             ranks; this rank's from {mine_min:e} to {mine_max:e}), more than \
+                             the format's normal range at world size {ranks}; it goes as f32 \
+                             this step (counted in CommStats::uncompressed_buckets; bf16 covers \
+                             f32's range)",
+                            self.compression
+                        );
+                    }
+                    Wire::F32
+                }
+            };
+            wires.push(wire);
+            at += 2;
+        }
+        Ok(wires)
+    }
+}
+
+impl<B: Backend> DevicePhase<B> {
+    /// Reads the flags, the control words and the checks' inputs back to the host, in one read.
+    pub fn read(
+        &self,
+        layout: &BucketLayout,
+        options: &ReduceOptions,
+        rank: usize,
+    ) -> Result<DeviceRead> {
+        let buckets = layout.buckets();
+        let device = self.reduced.first().map(Tensor::device);
+        let Some(device) = device else {
+            return Ok(DeviceRead {
+                flags: Vec::new(),
+                control: None,
+                checks: Vec::new(),
+                local_non_finite: false,
+            });
+        };
+        let constant = |v: f32| Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), &device);
+        let mut probe: Vec<Tensor<B, 1>> = Vec::new();
+        let flag_count: usize = buckets.iter().map(|b| b.params.len()).sum();
+        for (b, r) in buckets.iter().zip(&self.reduced) {
+            if !b.params.is_empty() {
+                probe.push(r.clone().slice(b.numel..b.numel + b.params.len()));
+            }
+        }
+        let control_len = if self.control { Control::LEN } else { 0 };
+        if let (true, Some(first), Some(r)) = (self.control, buckets.first(), self.reduced.first())
+        {
+            let at = first.numel + first.params.len();
+            probe.push(r.clone().slice(at..at + control_len));
+        }
+        let values = |r: &Tensor<B, 1>, numel: usize| r.clone().slice(0..numel);
+        if options.check_finite {
+            for (b, r) in buckets.iter().zip(&self.reduced) {
+                probe.push(if b.numel == 0 {
+                    constant(0.0)
+                } else {
+                    non_finite_probe(values(r, b.numel))
+                });
+            }
+        }
+        if options.clip_norm.is_some() {
+            // Per bucket: the largest magnitude m and the sum of (v / m)^2, so the f32 sum
+            // cannot overflow; the sum of squares m^2 * sum is assembled in f64 on the host.
+            for (b, r) in buckets.iter().zip(&self.reduced) {
+                if b.numel == 0 {
+                    probe.push(constant(f32::MIN_POSITIVE));
+                    probe.push(constant(0.0));
+                    continue;
+                }
+                let max = values(r, b.numel).abs().max().clamp_min(f32::MIN_POSITIVE);
+                let scaled = values(r, b.numel).div(max.clone()).powf_scalar(2.0).sum();
+                probe.push(max);
+                probe.push(scaled);
+            }
+        }
+        let local_count = self.local_probes.len();
+        probe.extend(self.local_probes.iter().cloned());
+        let host: Vec<f32> = Tensor::cat(probe, 0)
+            .cast(FloatDType::F32)
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .map_err(|e| DdpError::Bucket {
+                rank,
+                bucket: 0,
+                detail: format!("cannot read the reduced flags back: {e:?}"),
+            })?;
+        let (flags, rest) = host.split_at(flag_count);
+        let (control, rest) = rest.split_at(control_len);
+        let (checks, local) = rest.split_at(rest.len() - local_count);
+        Ok(DeviceRead {
+            flags: flags.to_vec(),
+            control: Control::from_words(control),
+            checks: checks.to_vec(),
+            local_non_finite: local.iter().any(|v| !v.is_finite()),
+        })
+    }
+
+    /// Slices the reduced buckets back into `grads`, times `scale`, leaving out the parameters
+    /// whose reduced flag is not positive.
+    pub fn unflatten(
+        self,
+        layout: &BucketLayout,
+        specs: &[TensorSpec],
+        grads: &mut GradientsParams,
+        flags: &[f32],
+        scale: f32,
+    ) {
+        let mut flags = flags.iter();
+        for (bucket, reduced) in layout.buckets().iter().zip(self.reduced) {
+            let reduced = if scale == 1.0 || bucket.numel == 0 {
+                reduced
+            } else {
+                reduced.mul_scalar(scale)
+            };
+            for (j, &p) in bucket.params.iter().enumerate() {
+                // The flag's all-reduce: positive when any rank had a gradient.
+                if flags.next().is_none_or(|&f| f <= 0.0) {
+                    continue;
+                }
+                let spec = &specs[p];
+                let start = bucket.offsets[j];
+                let flat = reduced.clone().slice(start..start + spec.numel());
+                register_shaped::<B>(grads, spec, flat);
+            }
+        }
+    }
+}
+
+/// The [`Observed`](super::checks::Observed) of averaged device checks: per bucket the NaN
+/// probe, then per bucket `(max, scaled sum of squares)`.
+pub(super) fn observe_device(
+    checks: &[f32],
+    buckets: usize,
+    options: &ReduceOptions,
+) -> super::checks::Observed {
+    let mut observed = super::checks::Observed::default();
+    let mut rest = checks;
+    if options.check_finite {
+        let (sums, after) = rest.split_at(buckets.min(rest.len()));
+        observed.non_finite = sums.iter().any(|v| !v.is_finite());
+        rest = after;
+    }
+    if options.clip_norm.is_some() {
+        observed.sum_of_squares = rest
+            .chunks_exact(2)
+            .map(|pair| {
+                let (max, scaled) = (f64::from(pair[0]), f64::from(pair[1]));
+                max * max * scaled
+            })
+            .sum();
+    }
+    observed
+}
+
+/// A one-element tensor that is NaN exactly when `values` holds a NaN or an infinity: the sum of
+/// `values * 0`, which a large finite sum cannot overflow.
+pub(super) fn non_finite_probe<B: Backend>(values: Tensor<B, 1>) -> Tensor<B, 1> {
+    values.mul_scalar(0.0).sum()
+}
