@@ -151,20 +151,7 @@ impl DdpState {
     /// # Errors
     /// [`DdpError::Checkpoint`] naming the file.
     pub fn write(&self, dir: &Path) -> Result<()> {
-        let target = Self::path(dir, self.epoch);
-        let fail = |e: String| DdpError::Checkpoint {
-            path: target.display().to_string(),
-            detail: e,
-        };
-        std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
-        let temporary = temporary_for(&target);
-        let json = serde_json::to_vec_pretty(self).map_err(|e| fail(e.to_string()))?;
-        std::fs::write(&temporary, &json)
-            .and_then(|()| publish(&temporary, &target))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&temporary);
-                fail(e.to_string())
-            })
+        write_json(self, &Self::path(dir, self.epoch))
     }
 
     /// Reads the state written after `epoch`, if there is one.
@@ -189,6 +176,119 @@ impl DdpState {
             }
         }
     }
+}
+
+/// Where a run stood when rank 0 wrote a **step checkpoint** (after a stop signal, or every
+/// [`DdpConfig::with_checkpoint_every`](crate::DdpConfig::with_checkpoint_every) optimizer
+/// steps): `ddp-step-<n>.json`, written atomically after the checkpoint's model, optimizer and LR
+/// scheduler files (`ddp-model-<n>`, `ddp-optim-<n>`, `ddp-scheduler-<n>`, full precision) were
+/// written and read back, so its presence means the files were complete. `n` counts the
+/// gradient synchronisations of the run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepState {
+    /// The checkpoint's number (`n` in the file names): gradient synchronisations since the
+    /// start of the run, skipped steps included.
+    pub number: u64,
+    /// The epoch in progress (burn-train counts from 1).
+    pub epoch: usize,
+    /// Batches of that epoch every rank had trained on (micro-batches with gradient
+    /// accumulation; always at an optimizer step's boundary).
+    pub batches: usize,
+    /// Number of ranks of the job.
+    pub world_size: usize,
+    /// Optimizer steps taken since the start of the run (skipped steps excluded).
+    pub optimizer_steps: u64,
+}
+
+impl StepState {
+    /// `dir/ddp-step-<number>.json`.
+    pub fn path(dir: &Path, number: u64) -> PathBuf {
+        dir.join(format!("ddp-step-{number}.json"))
+    }
+
+    /// The prefixes of the checkpoint's three record files in `dir` (the recorder adds `.mpk`).
+    pub(crate) const RECORDS: [&'static str; 3] = ["ddp-model", "ddp-optim", "ddp-scheduler"];
+
+    /// Writes the state atomically (temporary file, sync, rename).
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] naming the file.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        write_json(self, &Self::path(dir, self.number))
+    }
+
+    /// Every step state in `dir`, newest first (by number); files that cannot be read or parsed
+    /// come back as `Err((path, why))`, in no particular order.
+    pub fn list(dir: &Path) -> Vec<std::result::Result<StepState, (PathBuf, String)>> {
+        let mut found: Vec<std::result::Result<StepState, (PathBuf, String)>> =
+            std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter(|entry| {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    name.starts_with("ddp-step-") && name.ends_with(".json")
+                })
+                .map(|entry| {
+                    let path = entry.path();
+                    std::fs::read(&path)
+                        .map_err(|e| e.to_string())
+                        .and_then(|bytes| {
+                            serde_json::from_slice::<StepState>(&bytes).map_err(|e| e.to_string())
+                        })
+                        .map_err(|why| (path, why))
+                })
+                .collect();
+        found.sort_by_key(|state| match state {
+            Ok(state) => std::cmp::Reverse(state.number),
+            Err(_) => std::cmp::Reverse(0),
+        });
+        found
+    }
+
+    /// Removes the checkpoint's JSON and record files from `dir` (missing ones are fine).
+    pub(crate) fn remove(dir: &Path, number: u64) {
+        let _ = std::fs::remove_file(Self::path(dir, number));
+        for prefix in Self::RECORDS {
+            let _ = std::fs::remove_file(dir.join(format!("{prefix}-{number}.mpk")));
+        }
+    }
+}
+
+/// Writes `value` as JSON to `target` atomically.
+fn write_json<T: Serialize>(value: &T, target: &Path) -> Result<()> {
+    let fail = |e: String| DdpError::Checkpoint {
+        path: target.display().to_string(),
+        detail: e,
+    };
+    if let Some(dir) = target.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+    }
+    let temporary = temporary_for(target);
+    let json = serde_json::to_vec_pretty(value).map_err(|e| fail(e.to_string()))?;
+    std::fs::write(&temporary, &json)
+        .and_then(|()| publish(&temporary, target))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&temporary);
+            fail(e.to_string())
+        })
+}
+
+/// The epochs with a burn-train checkpoint in `dir` (a `model-<epoch>.*` file), newest first.
+pub(crate) fn epoch_checkpoints(dir: &Path) -> Vec<usize> {
+    let mut epochs: Vec<usize> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let rest = name.strip_prefix("model-")?;
+            rest.split('.').next()?.parse().ok()
+        })
+        .collect();
+    epochs.sort_unstable_by(|a, b| b.cmp(a));
+    epochs.dedup();
+    epochs
 }
 
 #[cfg(test)]

@@ -44,6 +44,9 @@ pub struct DdpConfig {
     uneven_inputs: UnevenInputs,
     checkpoint_dir: Option<std::path::PathBuf>,
     gradient_compression: GradientCompression,
+    resume: bool,
+    checkpoint_every: u64,
+    stop_on_signal: bool,
 }
 
 /// What to do when the gradients of a step hold NaN or infinity (on any rank). The check runs on
@@ -105,6 +108,9 @@ impl Default for DdpConfig {
             uneven_inputs: UnevenInputs::default(),
             checkpoint_dir: None,
             gradient_compression: GradientCompression::None,
+            resume: false,
+            checkpoint_every: 0,
+            stop_on_signal: true,
         }
     }
 }
@@ -175,12 +181,66 @@ impl DdpConfig {
         self
     }
 
-    /// Directory where rank 0 writes `ddp-state-<epoch>.json` after every epoch (world size,
-    /// epoch, optimizer steps), atomically, next to burn-train's checkpoints; a resumed run reads
-    /// it back and refuses a different world size. Usually `<artifact dir>/checkpoint`.
+    /// The checkpoint directory: use burn-train's, `<artifact dir>/checkpoint`. Rank 0 writes
+    /// `ddp-state-<epoch>.json` there after every epoch (world size, epoch, optimizer steps),
+    /// atomically, next to burn-train's epoch checkpoints, and burn-ddp's step checkpoints (after
+    /// a stop signal, or [`with_checkpoint_every`](Self::with_checkpoint_every)); with
+    /// [`with_resume`](Self::with_resume) a run starts from the newest complete checkpoint in
+    /// it. Without a directory, a stop signal still stops every rank at the same step, but
+    /// nothing is written.
     pub fn with_checkpoint_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
         self.checkpoint_dir = Some(dir.into());
         self
+    }
+
+    /// Start from the newest complete checkpoint of the [checkpoint
+    /// directory](Self::with_checkpoint_dir) (default off): burn-train's epoch checkpoints and
+    /// burn-ddp's step checkpoints are candidates, newest first; one that does not load
+    /// (truncated, unreadable) is passed over with a warning naming it. A step checkpoint resumes
+    /// mid-epoch, skipping the batches already trained, so the run continues as the
+    /// uninterrupted one would (bit for bit, without dropout-style randomness: the backend's
+    /// random state is not part of a checkpoint). A step checkpoint of another world size is
+    /// refused; an epoch boundary re-shards (see the README). Needs no
+    /// `SupervisedTraining::checkpoint(epoch)`; when that is given too, only newer checkpoints
+    /// are considered.
+    pub fn with_resume(mut self, resume: bool) -> Self {
+        self.resume = resume;
+        self
+    }
+
+    /// Rank 0 writes a step checkpoint every `steps` optimizer steps (0, the default: only at
+    /// the end of epochs and after a stop signal), into the [checkpoint
+    /// directory](Self::with_checkpoint_dir): full-precision records read back before they
+    /// count, the last two kept. For long epochs on machines that may be lost without warning.
+    pub fn with_checkpoint_every(mut self, steps: u64) -> Self {
+        self.checkpoint_every = steps;
+        self
+    }
+
+    /// Whether SIGTERM, SIGINT and SIGHUP stop training gracefully (default `true`): while a
+    /// run lasts, the first such signal to any rank makes every rank stop at the next optimizer
+    /// step, rank 0 write a checkpoint of it (with a checkpoint directory), and the run end with
+    /// [`DdpError::Preempted`] (`launch_ddp`), or the process exit with
+    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE) (plain `launch`); a second signal
+    /// ends the process at once. `false` leaves the signals' default effect.
+    pub fn with_stop_on_signal(mut self, stop: bool) -> Self {
+        self.stop_on_signal = stop;
+        self
+    }
+
+    /// Whether to resume from the newest complete checkpoint.
+    pub fn resume(&self) -> bool {
+        self.resume
+    }
+
+    /// Optimizer steps between step checkpoints (0: none).
+    pub fn checkpoint_every(&self) -> u64 {
+        self.checkpoint_every
+    }
+
+    /// Whether stop signals stop training gracefully.
+    pub fn stop_on_signal(&self) -> bool {
+        self.stop_on_signal
     }
 
     /// The NaN/infinity policy.
@@ -317,6 +377,12 @@ impl fmt::Display for DdpConfig {
             GradientCompression::None => {}
             GradientCompression::Bf16 => f.write_str(", bf16 gradients")?,
             GradientCompression::F16 => f.write_str(", f16 gradients")?,
+        }
+        if self.checkpoint_every > 0 {
+            write!(f, ", step checkpoint every {} steps", self.checkpoint_every)?;
+        }
+        if self.resume {
+            f.write_str(", resume")?;
         }
         if self.consistency_check_every > 0 {
             write!(

@@ -165,6 +165,29 @@ pub enum DdpError {
         ranks: Vec<usize>,
     },
 
+    /// Training stopped because a rank received a stop signal (SIGTERM, as clusters send before
+    /// they preempt a job; SIGINT; SIGHUP): every rank stopped at the same optimizer step, and
+    /// rank 0 wrote a checkpoint of it when a checkpoint directory is set. Exit with
+    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE) ([`DdpError::exit_code`]); a run with
+    /// [`DdpConfig::with_resume`](crate::DdpConfig::with_resume) continues from there.
+    #[error(
+        "training stopped at batch {batches} of epoch {epoch} (seen by rank {rank}): {} received a stop signal; {}",
+        describe_signalled(signalled),
+        describe_checkpoint(checkpoint)
+    )]
+    Preempted {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The epoch in progress (burn-train counts from 1).
+        epoch: usize,
+        /// Batches of that epoch every rank had trained.
+        batches: usize,
+        /// The ranks that received a signal, with the signal.
+        signalled: Vec<(usize, i32)>,
+        /// The step checkpoint's state file, when a checkpoint directory is set.
+        checkpoint: Option<String>,
+    },
+
     /// A worker thread panicked (in user code, e.g. the model's `step`).
     #[error("rank {rank} panicked: {message}")]
     WorkerPanicked {
@@ -249,6 +272,17 @@ pub enum DdpError {
         attempts: u32,
     },
 
+    /// The launcher stopped its job because of a stop signal: it received SIGINT, SIGTERM or
+    /// SIGHUP (and stopped its workers), or its workers stopped after one, their checkpoint
+    /// written. Exit with [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE).
+    #[error("launcher: {detail}")]
+    Stopped {
+        /// The signal the launcher received, if it received one.
+        signal: Option<i32>,
+        /// What happened to the workers.
+        detail: String,
+    },
+
     /// The launcher could not start a worker or prepare its logs.
     #[error("launcher: {0}")]
     Launch(String),
@@ -306,6 +340,7 @@ impl DdpError {
             | DdpError::ReplicaMismatch { rank, .. }
             | DdpError::ReplicasDiverged { rank, .. }
             | DdpError::ModelChanged { rank, .. }
+            | DdpError::Preempted { rank, .. }
             | DdpError::UnevenData { rank, .. }
             | DdpError::NonFinite { rank, .. }
             | DdpError::WorkerPanicked { rank, .. }
@@ -320,6 +355,7 @@ impl DdpError {
             | DdpError::Topology(_)
             | DdpError::Store { .. }
             | DdpError::Launch(_)
+            | DdpError::Stopped { .. }
             | DdpError::Checkpoint { .. } => None,
         }
     }
@@ -328,6 +364,38 @@ impl DdpError {
     /// ranks fail, the first non-`Aborted` error is the root cause.
     pub fn is_secondary(&self) -> bool {
         matches!(self, DdpError::Aborted { .. })
+    }
+
+    /// The exit code for a process that ends with this error:
+    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE) (143) for [`DdpError::Preempted`] (a
+    /// graceful stop after a signal, checkpoint written), 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            DdpError::Preempted { .. } | DdpError::Stopped { .. } => crate::PREEMPTED_EXIT_CODE,
+            _ => 1,
+        }
+    }
+}
+
+/// "rank 1 (SIGTERM)", "ranks 0 (SIGTERM), 1 (SIGINT)".
+fn describe_signalled(signalled: &[(usize, i32)]) -> String {
+    let each: Vec<String> = signalled
+        .iter()
+        .map(|(rank, signal)| format!("{rank} ({})", crate::signals::name(*signal)))
+        .collect();
+    match each.len() {
+        0 => "no rank".into(),
+        1 => format!("rank {}", each[0]),
+        _ => format!("ranks {}", each.join(", ")),
+    }
+}
+
+fn describe_checkpoint(checkpoint: &Option<String>) -> String {
+    match checkpoint {
+        Some(path) => format!(
+            "rank 0 wrote a checkpoint of that step ({path}); resume with DdpConfig::with_resume"
+        ),
+        None => "no checkpoint was written (set DdpConfig::with_checkpoint_dir)".into(),
     }
 }
 

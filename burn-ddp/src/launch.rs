@@ -38,8 +38,12 @@ pub struct LaunchConfig {
     pub max_restarts: u32,
     /// Directory for one log file per rank (`rank-R.log`), if any.
     pub log_dir: Option<PathBuf>,
-    /// How long stopped workers get between SIGTERM and SIGKILL.
+    /// How long workers stopped after another worker failed get between SIGTERM and SIGKILL.
     pub kill_grace: Duration,
+    /// How long workers get between SIGTERM and SIGKILL when the launcher itself received a stop
+    /// signal: time to reach the next optimizer step and write a checkpoint (burn-ddp workers
+    /// stop gracefully on their first SIGTERM).
+    pub stop_grace: Duration,
     /// The worker program.
     pub program: PathBuf,
     /// Its arguments.
@@ -60,6 +64,7 @@ impl LaunchConfig {
             max_restarts: 0,
             log_dir: None,
             kill_grace: Duration::from_secs(5),
+            stop_grace: Duration::from_secs(60),
             program: program.into(),
             args,
             env: Vec::new(),
@@ -118,6 +123,12 @@ impl WorkerExit {
     pub fn success(&self) -> bool {
         *self == WorkerExit::Code(0)
     }
+
+    /// Whether it stopped after a stop signal, its checkpoint written (exit code
+    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE)).
+    pub fn preempted(&self) -> bool {
+        *self == WorkerExit::Code(crate::PREEMPTED_EXIT_CODE)
+    }
 }
 
 impl std::fmt::Display for WorkerExit {
@@ -128,27 +139,10 @@ impl std::fmt::Display for WorkerExit {
                 write!(
                     f,
                     "was killed by signal {signal} ({})",
-                    signal_name(*signal)
+                    crate::signals::name(*signal)
                 )
             }
         }
-    }
-}
-
-fn signal_name(signal: i32) -> &'static str {
-    match signal {
-        1 => "SIGHUP",
-        2 => "SIGINT",
-        3 => "SIGQUIT",
-        4 => "SIGILL",
-        6 => "SIGABRT",
-        7 => "SIGBUS",
-        8 => "SIGFPE",
-        9 => "SIGKILL",
-        11 => "SIGSEGV",
-        13 => "SIGPIPE",
-        15 => "SIGTERM",
-        _ => "unknown signal",
     }
 }
 
@@ -168,14 +162,33 @@ pub struct AttemptReport {
     pub interrupted: Option<i32>,
 }
 
+impl AttemptReport {
+    /// The local workers that stopped after a stop signal, their checkpoint written (exit code
+    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE)).
+    pub fn preempted(&self) -> Vec<usize> {
+        self.workers
+            .iter()
+            .filter(|(_, _, exit)| exit.preempted())
+            .map(|(rank, _, _)| *rank)
+            .collect()
+    }
+}
+
 /// Runs the job's local workers to completion, restarting the group up to `max_restarts` times.
 /// Returns every attempt's report when the last attempt succeeded.
 ///
+/// A worker that exits with [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE) stopped after a
+/// stop signal (burn-ddp workers checkpoint the step they reached first): that is not a failure,
+/// the launcher waits for the others and ends the job without restarting it. SIGINT, SIGTERM or
+/// SIGHUP to the launcher is passed to the workers as SIGTERM, with
+/// [`LaunchConfig::stop_grace`] to finish.
+///
 /// # Errors
 /// [`DdpError::WorkerExited`] naming the first worker that failed in the last attempt and how
-/// (exit code or signal), with every attempt in the message; [`DdpError::Store`] when node 0
-/// cannot serve the store (port in use); [`DdpError::InvalidConfig`]; [`DdpError::Launch`] when a
-/// worker cannot be started.
+/// (exit code or signal), with every attempt in the message; [`DdpError::Stopped`] after a stop
+/// signal (to the launcher or to its workers); [`DdpError::Store`] when node 0 cannot serve the
+/// store (port in use); [`DdpError::InvalidConfig`]; [`DdpError::Launch`] when a worker cannot be
+/// started.
 pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
     config.validate()?;
     // Node 0 serves the store for the whole job, restarts included (port 0: any free port, which
@@ -203,7 +216,9 @@ pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
             ))
         })?;
     }
-    let _signals = signals::Guard::install();
+    // The first stop signal is noted, so the workers can be stopped gracefully; a second one
+    // ends the launcher (its workers then get SIGTERM from their parent-death signal).
+    let _signals = crate::signals::arm();
     let mut reports = Vec::new();
     loop {
         // Every node's launcher runs the round the store says; a node whose workers fail starts
@@ -216,12 +231,29 @@ pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
             (None, None) => None,
         };
         let interrupted = report.interrupted;
+        let preempted = report.preempted();
         reports.push(report);
-        if let Some(signal) = interrupted {
-            return Err(DdpError::Launch(format!(
-                "interrupted by signal {signal} ({}); the workers were stopped",
-                signal_name(signal)
-            )));
+        if interrupted.is_some() || (failure.is_none() && !preempted.is_empty()) {
+            let cause = match interrupted {
+                Some(signal) => format!(
+                    "received signal {signal} ({}) and stopped the workers",
+                    crate::signals::name(signal)
+                ),
+                None => "workers were stopped by a signal".into(),
+            };
+            let checkpointed = if preempted.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; rank(s) {preempted:?} stopped at a step boundary after their checkpoint \
+                     (exit code {})",
+                    crate::PREEMPTED_EXIT_CODE
+                )
+            };
+            return Err(DdpError::Stopped {
+                signal: interrupted,
+                detail: format!("{cause}{checkpointed}"),
+            });
         }
         let Some(failure) = failure else {
             return Ok(reports);
@@ -398,7 +430,9 @@ fn run_attempt(
                 Ok(Some(status)) => {
                     let exit = WorkerExit::of(status);
                     worker.exit = Some(exit);
-                    if !exit.success() {
+                    // A worker stopped by a signal after its checkpoint is not a failure: the
+                    // others stop at the same step and follow.
+                    if !exit.success() && !exit.preempted() {
                         failed_now.push((worker.rank, worker.child.id(), exit));
                     }
                 }
@@ -427,10 +461,14 @@ fn run_attempt(
             eprintln!("burn-ddp: rank {rank} (pid {pid}) {exit}; stopping the other ranks");
             first_failure = Some(Failure::Worker(rank, pid, exit));
         }
-        if let Some(signal) = signals::received() {
+        if interrupted.is_none()
+            && let Some(signal) = crate::signals::received()
+        {
             eprintln!(
-                "burn-ddp: received signal {signal} ({}); stopping the workers",
-                signal_name(signal)
+                "burn-ddp: received signal {signal} ({}); asking the workers to stop (SIGTERM; \
+                 {} s to checkpoint)",
+                crate::signals::name(signal),
+                config.stop_grace.as_secs_f64()
             );
             interrupted = Some(signal);
         }
@@ -444,8 +482,12 @@ fn run_attempt(
                 first_failure = Some(Failure::OtherNode(round as u32));
             }
         }
-        if first_failure.is_some() || interrupted.is_some() {
+        if first_failure.is_some() {
             stop_all(&mut workers, config.kill_grace);
+            break;
+        }
+        if interrupted.is_some() {
+            stop_all(&mut workers, config.stop_grace);
             break;
         }
         if workers.iter().all(|w| w.exit.is_some()) {
@@ -506,75 +548,6 @@ fn stop_all(workers: &mut [Running], grace: Duration) {
         signal_group(&worker.child, Signal::Kill);
         let _ = worker.child.kill();
         worker.exit = worker.child.wait().ok().map(WorkerExit::of);
-    }
-}
-
-/// SIGINT, SIGTERM and SIGHUP to the launcher: noted, so it can stop its workers (each in its
-/// own process group, out of reach of the terminal's Ctrl-C) before exiting.
-#[cfg(unix)]
-mod signals {
-    use std::sync::atomic::{AtomicI32, Ordering};
-
-    static RECEIVED: AtomicI32 = AtomicI32::new(0);
-    const SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
-
-    extern "C" fn note(signal: libc::c_int) {
-        // Only an atomic store: async-signal-safe.
-        RECEIVED.store(signal, Ordering::SeqCst);
-    }
-
-    /// The signal received since the guard was installed, if any.
-    pub fn received() -> Option<i32> {
-        match RECEIVED.load(Ordering::SeqCst) {
-            0 => None,
-            signal => Some(signal),
-        }
-    }
-
-    /// Installs the handlers; dropping it restores the previous ones.
-    pub struct Guard {
-        previous: Vec<(libc::c_int, libc::sighandler_t)>,
-    }
-
-    impl Guard {
-        pub fn install() -> Guard {
-            RECEIVED.store(0, Ordering::SeqCst);
-            let previous = SIGNALS
-                .iter()
-                .map(|&signal| {
-                    let handler = note as extern "C" fn(libc::c_int) as libc::sighandler_t;
-                    // SAFETY: `note` is async-signal-safe (one atomic store).
-                    (signal, unsafe { libc::signal(signal, handler) })
-                })
-                .collect();
-            Guard { previous }
-        }
-    }
-
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            for &(signal, handler) in &self.previous {
-                // SAFETY: restores the handler that was installed before.
-                unsafe {
-                    libc::signal(signal, handler);
-                }
-            }
-        }
-    }
-}
-
-#[cfg(not(unix))]
-mod signals {
-    pub fn received() -> Option<i32> {
-        None
-    }
-
-    pub struct Guard;
-
-    impl Guard {
-        pub fn install() -> Guard {
-            Guard
-        }
     }
 }
 

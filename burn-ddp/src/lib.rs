@@ -33,6 +33,7 @@ pub mod reducer;
 pub mod rendezvous;
 pub mod replica;
 pub mod sampler;
+mod signals;
 pub mod store;
 mod strategy;
 pub mod sync_bn;
@@ -54,6 +55,7 @@ pub use replica::{
     tensor_fingerprints, value_fingerprint, verify_values_across,
 };
 pub use sampler::{DistributedDataLoader, DistributedSampler};
+pub use signals::PREEMPTED_EXIT_CODE;
 pub use strategy::{DdpStrategy, DdpTraining};
 pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};
 pub use topology::Topology;

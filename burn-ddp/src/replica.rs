@@ -130,6 +130,11 @@ impl ReplicaLayout {
     /// clone of `module` on another thread while it runs (every rank builds its layout before its
     /// first collective, so the ranks of one job never do).
     pub fn of<B: Backend, M: Module<B>>(module: &M) -> Self {
+        // A probe marks state shared by clones: no other thread may read the tensors meanwhile
+        // (another rank's layout of a clone would see the marker).
+        let _serialised = PROBE
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut layout = Self::scan(module);
         let candidates: Vec<bool> = layout
             .tensors
@@ -395,14 +400,14 @@ impl<B: Backend, M: Module<B>> ReplicaView for Replica<'_, B, M> {
     }
 }
 
+/// Serialises the buffer probes of [`ReplicaLayout::of`] in this process.
+static PROBE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// For each float tensor of `module` (registration order) with `candidates[i]`, whether its
-/// state is shared by clones of `module` (Burn's `RunningState`); see [`ReplicaLayout::of`].
+/// state is shared by clones of `module` (Burn's `RunningState`); see [`ReplicaLayout::of`],
+/// which holds [`PROBE`] around it.
 fn shared_state<B: Backend, M: Module<B>>(module: &M, candidates: &[bool]) -> Vec<bool> {
     use std::any::Any;
-    static PROBE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _serialised = PROBE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
 
     /// A marked tensor's shape and value (a `Tensor<B, D>`, boxed: `D` varies).
     type Original = (Vec<usize>, Box<dyn Any + Send>);

@@ -454,3 +454,244 @@ fn a_two_node_job_trains_across_a_link_and_a_cut_link_names_the_lost_peer() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Runs `ddp-worker` with `args` as a process of its own (threads mode or `launch`), bounded by
+/// `within`; returns its exit code and stderr.
+fn run_worker(args: &[&str], within: Duration) -> (Option<i32>, String) {
+    let child = clean_env(&mut Command::new(WORKER))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let Ok(output) = rx.recv_timeout(within) else {
+        // SAFETY: sends SIGKILL to the worker this test started and has not reaped.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        panic!("ddp-worker {args:?} did not exit within {within:?}");
+    };
+    let output = output.unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+fn step_checkpoints(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir.join("checkpoint"))
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("ddp-step-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_sigterm_stops_thread_ranks_at_one_step_and_the_resumed_run_matches_the_uninterrupted_one() {
+    let dir = scratch_dir("preempt-threads");
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let common = [
+        "--threads",
+        "2",
+        "--steps",
+        "6",
+        "--per-rank-batch",
+        "1",
+        "--epochs",
+        "2",
+    ];
+    let within = Duration::from_secs(120);
+    let (straight_out, a, b) = (path("straight.bin"), path("a"), path("b"));
+    let args = |extra: &[&str]| -> Vec<String> {
+        common.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let run = |extra: &[&str]| {
+        let args = args(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_worker(&args, within)
+    };
+    let (code, stderr) = run(&["--out", &straight_out, "--checkpoint-dir", &a]);
+    assert_eq!(code, Some(0), "{stderr}");
+    // Rank 1 (a thread) sends the process SIGTERM during its 3rd batch of epoch 1.
+    let (code, stderr) = run(&[
+        "--checkpoint-dir",
+        &b,
+        "--signal-rank",
+        "1",
+        "--signal-at-batch",
+        "3",
+    ]);
+    assert_eq!(
+        code,
+        Some(143),
+        "stopped with the documented exit code: {stderr}"
+    );
+    assert!(
+        stderr.contains("received a stop signal") && stderr.contains("SIGTERM"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("training stopped at batch 3 of epoch 1"),
+        "{stderr}"
+    );
+    assert_eq!(
+        step_checkpoints(Path::new(&b)).len(),
+        1,
+        "one step checkpoint"
+    );
+    let resumed_out = path("resumed.bin");
+    let (code, stderr) = run(&["--checkpoint-dir", &b, "--resume", "--out", &resumed_out]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let straight = read_tensors(Path::new(&straight_out)).unwrap();
+    let resumed = read_tensors(Path::new(&resumed_out)).unwrap();
+    assert!(!straight.is_empty());
+    assert_eq!(resumed, straight, "the resumed run must match bit for bit");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn processes_stopped_by_sigterm_or_a_crash_resume_to_the_uninterrupted_parameters() {
+    let dir = scratch_dir("preempt-procs");
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let common = ["--steps", "6", "--per-rank-batch", "1", "--epochs", "2"];
+    let config = |extra: &[&str]| {
+        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
+        worker_config(2, &args)
+    };
+    // The uninterrupted job.
+    let (straight_out, a) = (path("straight.bin"), path("a"));
+    launch(&config(&["--out", &straight_out, "--checkpoint-dir", &a])).unwrap();
+    let straight = read_tensors(Path::new(&straight_out)).unwrap();
+
+    // SIGTERM to rank 1's process only: both ranks stop at the same step, rank 0 checkpoints,
+    // both exit with 143 and the launcher reports a stop, not a failure (no restart).
+    let b = path("b");
+    let mut stopped = config(&[
+        "--checkpoint-dir",
+        &b,
+        "--signal-rank",
+        "1",
+        "--signal-at-batch",
+        "4",
+    ]);
+    stopped.max_restarts = 1;
+    match launch(&stopped) {
+        Err(DdpError::Stopped { signal, detail }) => {
+            assert_eq!(signal, None, "the launcher itself got no signal");
+            assert!(
+                detail.contains("[0, 1]"),
+                "both ranks checkpointed: {detail}"
+            );
+        }
+        other => panic!("expected the job to stop, got {other:?}"),
+    }
+    assert_eq!(step_checkpoints(Path::new(&b)).len(), 1);
+    let resumed_out = path("resumed.bin");
+    launch(&config(&[
+        "--checkpoint-dir",
+        &b,
+        "--resume",
+        "--out",
+        &resumed_out,
+    ]))
+    .unwrap();
+    let resumed = read_tensors(Path::new(&resumed_out)).unwrap();
+    assert_eq!(resumed, straight, "resumed after SIGTERM: bit for bit");
+
+    // A crash (rank 1 exits at its 5th batch) with a step checkpoint every 2 steps: the
+    // restarted group resumes from step 2 mid-epoch and ends where the uninterrupted job does.
+    let (c, crashed_out) = (path("c"), path("crashed.bin"));
+    let mut crashing = config(&[
+        "--checkpoint-dir",
+        &c,
+        "--checkpoint-every",
+        "2",
+        "--fail-rank",
+        "1",
+        "--fail-at-batch",
+        "5",
+        "--out",
+        &crashed_out,
+    ]);
+    crashing.max_restarts = 1;
+    let reports = launch(&crashing).unwrap();
+    assert_eq!(reports.len(), 2, "one crash, one restart");
+    let crashed = read_tensors(Path::new(&crashed_out)).unwrap();
+    assert_eq!(crashed, straight, "resumed after a crash: bit for bit");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_sigterm_to_the_launcher_stops_its_workers_gracefully_with_exit_code_143() {
+    let dir = scratch_dir("preempt-launcher");
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let (checkpoints, ready) = (path("ckpt"), path("ready"));
+    std::fs::create_dir_all(&ready).unwrap();
+    let child = clean_env(&mut Command::new(WORKER))
+        .args([
+            "launch",
+            "2",
+            "--",
+            "--steps",
+            "400",
+            "--per-rank-batch",
+            "1",
+            "--delay-ms",
+            "50",
+            "--checkpoint-dir",
+            &checkpoints,
+            "--ready-dir",
+            &ready,
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let launcher = child.id() as i32;
+    wait_for_file(&Path::new(&ready).join("pid-0"), Duration::from_secs(120));
+    wait_for_file(&Path::new(&ready).join("pid-1"), Duration::from_secs(120));
+    // SAFETY: sends SIGTERM to the launcher process this test started.
+    assert_eq!(unsafe { libc::kill(launcher, libc::SIGTERM) }, 0);
+    let (_, stderr, waited) = finish_with_code(child, Duration::from_secs(90));
+    let (code, stderr) = stderr;
+    assert_eq!(code, Some(143), "{stderr}");
+    assert!(waited < Duration::from_secs(60), "took {waited:?}");
+    assert!(stderr.contains("received signal 15 (SIGTERM)"), "{stderr}");
+    assert!(
+        stderr.contains("[0, 1]"),
+        "both workers checkpointed: {stderr}"
+    );
+    assert_eq!(step_checkpoints(Path::new(&checkpoints)).len(), 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// [`finish`], with the exit code.
+fn finish_with_code(child: Child, within: Duration) -> (bool, (Option<i32>, String), Duration) {
+    let started = Instant::now();
+    let pid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let Ok(output) = rx.recv_timeout(within) else {
+        // SAFETY: sends SIGKILL to the process this test started and has not reaped.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        panic!("a process did not exit within {within:?}");
+    };
+    let output = output.unwrap();
+    (
+        output.status.success(),
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        ),
+        started.elapsed(),
+    )
+}

@@ -402,6 +402,8 @@ pub struct Run {
     /// Resume after the checkpoint of this epoch (burn-train's `checkpoint`; the loader follows
     /// burn-train's epoch by itself).
     pub resume_after: Option<usize>,
+    /// Every checkpoint file takes this long to write (a slow disk).
+    pub slow_checkpoints: Option<std::time::Duration>,
 }
 
 impl Run {
@@ -419,6 +421,7 @@ impl Run {
             group: None,
             artifacts: None,
             resume_after: None,
+            slow_checkpoints: None,
         }
     }
 }
@@ -529,10 +532,12 @@ where
         training = training.grads_accumulation(k);
     }
     if run.artifacts.is_some() {
+        let recorder = SlowRecorder {
+            inner: AtomicRecorder::new(NamedMpkFileRecorder::<FullPrecisionSettings>::new()),
+            delay: run.slow_checkpoints.unwrap_or_default(),
+        };
         training = training
-            .with_file_checkpointer(AtomicRecorder::new(NamedMpkFileRecorder::<
-                FullPrecisionSettings,
-            >::new()))
+            .with_file_checkpointer(recorder)
             .with_checkpointing_strategy(KeepLastNCheckpoints::new(2));
         config = config.with_checkpoint_dir(directory.join("checkpoint"));
     }
@@ -558,6 +563,46 @@ where
     let handle = strategy.clone();
     let result = training.launch_ddp(learner, strategy)?;
     Ok((float_tensors(&result.model), Some(handle.report())))
+}
+
+/// A file recorder that waits `delay` before every write (a slow disk), then writes with `inner`.
+#[derive(Debug, Clone, Default)]
+pub struct SlowRecorder<R> {
+    inner: R,
+    delay: std::time::Duration,
+}
+
+impl<B: burn::tensor::backend::Backend, R: burn::record::FileRecorder<B>> burn::record::Recorder<B>
+    for SlowRecorder<R>
+{
+    type Settings = R::Settings;
+    type RecordArgs = std::path::PathBuf;
+    type RecordOutput = ();
+    type LoadArgs = std::path::PathBuf;
+
+    fn save_item<I: serde::Serialize>(
+        &self,
+        item: I,
+        file: std::path::PathBuf,
+    ) -> Result<(), burn::record::RecorderError> {
+        std::thread::sleep(self.delay);
+        self.inner.save_item(item, file)
+    }
+
+    fn load_item<I: serde::de::DeserializeOwned>(
+        &self,
+        file: &mut std::path::PathBuf,
+    ) -> Result<I, burn::record::RecorderError> {
+        self.inner.load_item(file)
+    }
+}
+
+impl<B: burn::tensor::backend::Backend, R: burn::record::FileRecorder<B>>
+    burn::record::FileRecorder<B> for SlowRecorder<R>
+{
+    fn file_extension() -> &'static str {
+        R::file_extension()
+    }
 }
 
 /// A freshly initialised model whose lazily created parameters are materialised, so clones share
@@ -684,12 +729,28 @@ pub fn train_example_cnn(
     per_rank_batch: usize,
     config: DdpConfig,
 ) -> Result<Trained, DdpError> {
+    train_example_cnn_for(group, replicas, steps, per_rank_batch, config, 1, None)
+}
+
+/// [`train_example_cnn`] over `epochs` epochs of `steps` steps, with checkpoints in
+/// `artifacts/checkpoint` when given.
+pub fn train_example_cnn_for(
+    group: Option<Arc<dyn ProcessGroup>>,
+    replicas: usize,
+    steps: usize,
+    per_rank_batch: usize,
+    config: DdpConfig,
+    epochs: usize,
+    artifacts: Option<std::path::PathBuf>,
+) -> Result<Trained, DdpError> {
     let world_size = group.as_ref().map_or(replicas, |g| g.world_size());
     let global_batch = per_rank_batch * world_size;
     let mut run = Run::new(Some(replicas), global_batch, steps * global_batch);
     run.group = group;
     run.config = config;
     run.seed = 11;
+    run.epochs = epochs;
+    run.artifacts = artifacts;
     run_training_on(
         ExampleCnn::<TestBackend>::deterministic(&device(), 11),
         burn::optim::AdamConfig::new().init(),

@@ -49,9 +49,13 @@ enum Command {
         /// Also write each rank's output to DIR/rank-R.log.
         #[arg(long)]
         log_dir: Option<PathBuf>,
-        /// Seconds between SIGTERM and SIGKILL when stopping workers.
+        /// Seconds between SIGTERM and SIGKILL when stopping workers after one failed.
         #[arg(long, default_value_t = 5.0)]
         kill_grace: f64,
+        /// Seconds workers get to reach a step boundary and checkpoint when the launcher is
+        /// stopped by SIGTERM/SIGINT (then SIGKILL).
+        #[arg(long, default_value_t = 60.0)]
+        stop_grace: f64,
         /// The worker program and its arguments, after `--`.
         #[arg(last = true, required = true)]
         command: Vec<String>,
@@ -68,8 +72,12 @@ fn main() -> ExitCode {
         max_restarts,
         log_dir,
         kill_grace,
+        stop_grace,
         command,
     } = Cli::parse().command;
+    let seconds = |s: f64, default: u64| {
+        Duration::try_from_secs_f64(s.clamp(0.0, 86_400.0)).unwrap_or(Duration::from_secs(default))
+    };
     let (program, args) = match command.split_first() {
         Some((program, args)) => (program.clone(), args.to_vec()),
         None => {
@@ -84,8 +92,8 @@ fn main() -> ExitCode {
         master_port,
         max_restarts,
         log_dir,
-        kill_grace: Duration::try_from_secs_f64(kill_grace.clamp(0.0, 3600.0))
-            .unwrap_or(Duration::from_secs(5)),
+        kill_grace: seconds(kill_grace, 5),
+        stop_grace: seconds(stop_grace, 60),
         ..LaunchConfig::new(nproc_per_node, program, args)
     };
     match launch(&config) {
@@ -97,6 +105,10 @@ fn main() -> ExitCode {
                 );
             }
             ExitCode::SUCCESS
+        }
+        Err(err @ burn_ddp::DdpError::Stopped { .. }) => {
+            eprintln!("burn-ddp: job stopped: {err}");
+            ExitCode::from(err.exit_code() as u8)
         }
         Err(err) => {
             eprintln!("burn-ddp: job failed: {err}");

@@ -1,47 +1,72 @@
 //! A worker process for burn-ddp's multi-process tests: trains the Fashion-MNIST example's CNN on
 //! synthetic images as one rank of a job described by the environment (RANK, WORLD_SIZE,
-//! MASTER_ADDR, MASTER_PORT, as the launcher sets them), and writes rank 0's trained parameters.
+//! MASTER_ADDR, MASTER_PORT, as the launcher sets them), or with `--threads N` as N ranks in this
+//! process, and writes rank 0's trained parameters.
 //!
 //! ```text
-//! ddp-worker --out FILE [--steps N] [--per-rank-batch B] [--timeout-s T] [--delay-ms D]
-//!            [--ready-dir DIR] [--fail-rank R --fail-at-batch K [--fail-attempt A]]
+//! ddp-worker [--out FILE] [--steps N] [--per-rank-batch B] [--epochs E] [--timeout-s T]
+//!            [--delay-ms D] [--ready-dir DIR] [--threads N]
+//!            [--checkpoint-dir DIR] [--resume] [--checkpoint-every K]
+//!            [--fail-rank R --fail-at-batch K [--fail-attempt A]]
+//!            [--signal-rank R --signal-at-batch K]
+//! ddp-worker launch N [--stop-grace-s S] -- WORKER ARGS...
 //! ```
 //! `--ready-dir`: after its 2nd batch, each rank writes its pid to DIR/pid-RANK.
 //! `--fail-*`: rank R exits with code 3 at its K-th batch (only in restart round A, default 0).
+//! `--signal-*`: rank R (a thread rank with `--threads`) sends itself SIGTERM at its K-th batch
+//! (first attempt only).
+//! `--checkpoint-dir`: checkpoints in DIR/checkpoint; `--resume` (or a launcher restart) resumes
+//! from the newest complete one. A run stopped by a signal exits with 143.
+//! `launch N`: runs burn-ddp's launcher with N copies of this program as workers.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn_ddp::{DdpConfig, TcpGroup, TcpGroupOptions, Topology};
-use burn_ddp_tests::{STEP_HOOK, train_example_cnn, write_tensors};
+use burn_ddp::launch::{LaunchConfig, launch};
+use burn_ddp::{DdpConfig, ProcessGroup, TcpGroup, TcpGroupOptions, Topology};
+use burn_ddp_tests::{STEP_HOOK, train_example_cnn_for, write_tensors};
 
 struct Args {
     out: Option<PathBuf>,
     steps: usize,
     per_rank_batch: usize,
+    epochs: usize,
     timeout: Duration,
     delay: Duration,
     ready_dir: Option<PathBuf>,
+    threads: Option<usize>,
+    checkpoint_dir: Option<PathBuf>,
+    resume: bool,
+    checkpoint_every: u64,
     fail_rank: Option<usize>,
     fail_at_batch: usize,
     fail_attempt: u64,
+    signal_rank: Option<usize>,
+    signal_at_batch: usize,
 }
 
-fn parse() -> Result<Args, String> {
+fn parse(raw: &[String]) -> Result<Args, String> {
     let mut args = Args {
         out: None,
         steps: 3,
         per_rank_batch: 2,
+        epochs: 1,
         timeout: Duration::from_secs(20),
         delay: Duration::ZERO,
         ready_dir: None,
+        threads: None,
+        checkpoint_dir: None,
+        resume: false,
+        checkpoint_every: 0,
         fail_rank: None,
         fail_at_batch: 2,
         fail_attempt: 0,
+        signal_rank: None,
+        signal_at_batch: 2,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = raw.iter().cloned();
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         let number = |v: String| v.parse::<u64>().map_err(|e| format!("{v}: {e}"));
@@ -49,46 +74,117 @@ fn parse() -> Result<Args, String> {
             "--out" => args.out = Some(PathBuf::from(value()?)),
             "--steps" => args.steps = number(value()?)? as usize,
             "--per-rank-batch" => args.per_rank_batch = number(value()?)? as usize,
+            "--epochs" => args.epochs = number(value()?)? as usize,
             "--timeout-s" => args.timeout = Duration::from_secs(number(value()?)?),
             "--delay-ms" => args.delay = Duration::from_millis(number(value()?)?),
             "--ready-dir" => args.ready_dir = Some(PathBuf::from(value()?)),
+            "--threads" => args.threads = Some(number(value()?)? as usize),
+            "--checkpoint-dir" => args.checkpoint_dir = Some(PathBuf::from(value()?)),
+            "--resume" => args.resume = true,
+            "--checkpoint-every" => args.checkpoint_every = number(value()?)?,
             "--fail-rank" => args.fail_rank = Some(number(value()?)? as usize),
             "--fail-at-batch" => args.fail_at_batch = number(value()?)? as usize,
             "--fail-attempt" => args.fail_attempt = number(value()?)?,
+            "--signal-rank" => args.signal_rank = Some(number(value()?)? as usize),
+            "--signal-at-batch" => args.signal_at_batch = number(value()?)? as usize,
             other => return Err(format!("unknown argument {other}")),
         }
     }
     Ok(args)
 }
 
+/// `ddp-worker launch N [--stop-grace-s S] -- ARGS`: the launcher, with this program as worker.
+fn launcher(raw: &[String]) -> ExitCode {
+    let Some(n) = raw.first().and_then(|n| n.parse::<usize>().ok()) else {
+        eprintln!("ddp-worker launch: expected the number of workers");
+        return ExitCode::from(2);
+    };
+    let mut rest = &raw[1..];
+    let mut stop_grace = Duration::from_secs(60);
+    if rest.first().map(String::as_str) == Some("--stop-grace-s") {
+        let Some(s) = rest.get(1).and_then(|s| s.parse::<u64>().ok()) else {
+            eprintln!("ddp-worker launch: --stop-grace-s needs seconds");
+            return ExitCode::from(2);
+        };
+        stop_grace = Duration::from_secs(s);
+        rest = &rest[2..];
+    }
+    let worker_args = match rest.split_first() {
+        Some((dashes, args)) if dashes == "--" => args.to_vec(),
+        _ => {
+            eprintln!("ddp-worker launch: expected `--` before the worker's arguments");
+            return ExitCode::from(2);
+        }
+    };
+    let program = match std::env::current_exe() {
+        Ok(program) => program,
+        Err(e) => {
+            eprintln!("ddp-worker launch: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut config = LaunchConfig::new(n, program, worker_args);
+    config.master_port = 0;
+    config.stop_grace = stop_grace;
+    match launch(&config) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ddp-worker launch: {e}");
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    let args = match parse() {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    if raw.first().map(String::as_str) == Some("launch") {
+        return launcher(&raw[1..]);
+    }
+    let args = match parse(&raw) {
         Ok(args) => args,
         Err(e) => {
             eprintln!("ddp-worker: {e}");
             return ExitCode::from(2);
         }
     };
-    let topology = match Topology::from_env() {
-        Ok(Some(topology)) => topology,
-        Ok(None) => {
+    let topology = match (args.threads, Topology::from_env()) {
+        (Some(_), _) => None,
+        (None, Ok(Some(topology))) => Some(topology),
+        (None, Ok(None)) => {
             eprintln!("ddp-worker: not started as part of a job (RANK/WORLD_SIZE unset)");
             return ExitCode::from(2);
         }
-        Err(e) => {
+        (None, Err(e)) => {
             eprintln!("ddp-worker: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let rank = topology.rank;
-    let attempt = topology.restart_count;
+    let process_rank = topology.as_ref().map(|t| t.rank);
+    let attempt = topology.as_ref().map_or(0, |t| t.restart_count);
     let (delay, ready_dir) = (args.delay, args.ready_dir.clone());
     let (fail_rank, fail_at, fail_attempt) =
         (args.fail_rank, args.fail_at_batch, args.fail_attempt);
+    let (signal_rank, signal_at) = (args.signal_rank, args.signal_at_batch);
     let _ = STEP_HOOK.set(Box::new(move |batch| {
+        // This rank: the process's, or the thread's ("burn-ddp-rank-R"; rank 0 of a single
+        // replica trains on the main thread).
+        let rank = process_rank.unwrap_or_else(|| {
+            std::thread::current()
+                .name()
+                .and_then(|n| n.strip_prefix("burn-ddp-rank-"))
+                .and_then(|r| r.parse().ok())
+                .unwrap_or(0)
+        });
         if fail_rank == Some(rank) && batch == fail_at && attempt == fail_attempt {
             eprintln!("ddp-worker rank {rank}: failing on purpose at batch {batch}");
             std::process::exit(3);
+        }
+        if signal_rank == Some(rank) && batch == signal_at && attempt == 0 {
+            eprintln!("ddp-worker rank {rank}: sending itself SIGTERM at batch {batch}");
+            // SAFETY: `raise` only sends a signal to this process.
+            unsafe {
+                libc::raise(libc::SIGTERM);
+            }
         }
         if batch == 2
             && let Some(dir) = &ready_dir
@@ -100,23 +196,36 @@ fn main() -> ExitCode {
         }
         std::thread::sleep(delay);
     }));
-    let options = TcpGroupOptions {
-        connect_timeout: args.timeout,
-    };
-    let group = match TcpGroup::connect(&topology, &options) {
-        Ok(group) => group,
-        Err(e) => {
-            eprintln!("ddp-worker rank {rank}: {e}");
-            return ExitCode::FAILURE;
+    let group: Option<Arc<dyn ProcessGroup>> = match &topology {
+        None => None,
+        Some(topology) => {
+            let options = TcpGroupOptions {
+                connect_timeout: args.timeout,
+            };
+            match TcpGroup::connect(topology, &options) {
+                Ok(group) => Some(Arc::new(group)),
+                Err(e) => {
+                    eprintln!("ddp-worker rank {}: {e}", topology.rank);
+                    return ExitCode::FAILURE;
+                }
+            }
         }
     };
-    let config = DdpConfig::default().with_timeout(args.timeout);
-    match train_example_cnn(
-        Some(Arc::new(group)),
-        1,
+    let rank = process_rank.unwrap_or(0);
+    let mut config = DdpConfig::default()
+        .with_timeout(args.timeout)
+        .with_checkpoint_every(args.checkpoint_every);
+    if args.resume || attempt > 0 {
+        config = config.with_resume(true);
+    }
+    match train_example_cnn_for(
+        group,
+        args.threads.unwrap_or(1),
         args.steps,
         args.per_rank_batch,
         config,
+        args.epochs,
+        args.checkpoint_dir.clone(),
     ) {
         Ok((tensors, _)) => {
             if rank == 0
@@ -134,7 +243,7 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             eprintln!("ddp-worker rank {rank}: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(e.exit_code() as u8)
         }
     }
 }

@@ -1,0 +1,165 @@
+//! Stop requests by signal: SIGTERM (what clusters send before they preempt a job), SIGINT
+//! (Ctrl-C) and SIGHUP.
+//!
+//! While something is *armed* (a [`DdpStrategy`](crate::DdpStrategy) run, or the launcher), the
+//! first of these signals is only recorded, so the training can stop at a step boundary and
+//! write a checkpoint (the launcher: stop its workers gracefully); a second signal, or one while
+//! nothing is armed, has its default effect (the process ends). The handlers are installed once
+//! per process with `signal-hook`, on the first arming.
+
+/// The exit code of a process that stopped because of a stop signal, after its checkpoint:
+/// 143, which shells also report for a process ended by SIGTERM (128 + 15). Workers stopped by
+/// SIGTERM or SIGINT exit with it (the example and `ddp-worker` map
+/// [`DdpError::Preempted`](crate::DdpError::Preempted) to it; plain `SupervisedTraining::launch`
+/// exits with it), and so does `burn-ddp run` when it stopped its workers after a signal.
+pub const PREEMPTED_EXIT_CODE: i32 = 143;
+
+#[cfg(unix)]
+mod imp {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    /// The signals handled.
+    const SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+    struct State {
+        /// True when a signal must have its default effect: nothing armed, or a signal was
+        /// already received.
+        terminate: Arc<AtomicBool>,
+        /// The last signal received while armed (0: none).
+        received: Arc<AtomicUsize>,
+        /// How many arms are alive.
+        armed: Mutex<usize>,
+    }
+
+    static STATE: OnceLock<Option<State>> = OnceLock::new();
+
+    fn state() -> Option<&'static State> {
+        STATE
+            .get_or_init(|| {
+                let state = State {
+                    terminate: Arc::new(AtomicBool::new(true)),
+                    received: Arc::new(AtomicUsize::new(0)),
+                    armed: Mutex::new(0),
+                };
+                for signal in SIGNALS {
+                    // Actions run in registration order: the default effect first (only when
+                    // `terminate` was already set), then note the signal and set `terminate` for
+                    // the next one.
+                    let installed = signal_hook::flag::register_conditional_default(
+                        signal,
+                        state.terminate.clone(),
+                    )
+                    .and_then(|_| {
+                        signal_hook::flag::register_usize(
+                            signal,
+                            state.received.clone(),
+                            signal as usize,
+                        )
+                    })
+                    .and_then(|_| signal_hook::flag::register(signal, state.terminate.clone()));
+                    if let Err(e) = installed {
+                        tracing::warn!(
+                            "burn-ddp: cannot handle signal {signal}: {e}; it will end the \
+                             process without a checkpoint"
+                        );
+                        return None;
+                    }
+                }
+                Some(state)
+            })
+            .as_ref()
+    }
+
+    /// Keeps stop signals recorded (not fatal) until dropped.
+    pub struct Armed {
+        active: bool,
+    }
+
+    pub fn arm() -> Armed {
+        let Some(state) = state() else {
+            return Armed { active: false };
+        };
+        let mut armed = state.armed.lock().unwrap_or_else(|p| p.into_inner());
+        if *armed == 0 {
+            // A new run: forget a signal an earlier run already acted on.
+            state.received.store(0, Ordering::SeqCst);
+            state.terminate.store(false, Ordering::SeqCst);
+        }
+        *armed += 1;
+        Armed { active: true }
+    }
+
+    impl Drop for Armed {
+        fn drop(&mut self) {
+            let Some(state) = self.active.then(state).flatten() else {
+                return;
+            };
+            let mut armed = state.armed.lock().unwrap_or_else(|p| p.into_inner());
+            *armed = armed.saturating_sub(1);
+            if *armed == 0 {
+                state.terminate.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    pub fn received() -> Option<i32> {
+        let state = state()?;
+        match state.received.load(Ordering::SeqCst) {
+            0 => None,
+            signal => Some(signal as i32),
+        }
+    }
+}
+
+#[cfg(not(unix))]
+mod imp {
+    pub struct Armed;
+
+    pub fn arm() -> Armed {
+        Armed
+    }
+
+    pub fn received() -> Option<i32> {
+        None
+    }
+}
+
+pub(crate) use imp::Armed;
+
+/// Records stop signals instead of letting them end the process, until the guard is dropped
+/// (see the [module docs](self)).
+pub(crate) fn arm() -> Armed {
+    imp::arm()
+}
+
+/// The stop signal received while armed, if any.
+pub(crate) fn received() -> Option<i32> {
+    imp::received()
+}
+
+/// "SIGTERM", "SIGINT", ... for the signals this module handles and a few more.
+pub(crate) fn name(signal: i32) -> &'static str {
+    #[cfg(unix)]
+    {
+        match signal {
+            libc::SIGHUP => "SIGHUP",
+            libc::SIGINT => "SIGINT",
+            libc::SIGQUIT => "SIGQUIT",
+            libc::SIGILL => "SIGILL",
+            libc::SIGABRT => "SIGABRT",
+            libc::SIGBUS => "SIGBUS",
+            libc::SIGFPE => "SIGFPE",
+            libc::SIGKILL => "SIGKILL",
+            libc::SIGSEGV => "SIGSEGV",
+            libc::SIGPIPE => "SIGPIPE",
+            libc::SIGTERM => "SIGTERM",
+            _ => "unknown signal",
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = signal;
+        "unknown signal"
+    }
+}

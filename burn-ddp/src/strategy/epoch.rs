@@ -1,0 +1,435 @@
+//! The training loop of one rank: epochs of steps, each step agreed with the other ranks,
+//! reduced, applied; the end of every epoch (rank 0 validates, writes its checkpoint and waits
+//! until it is on disk, the others wait for it); and the stops (an interrupt, a stop signal, with
+//! a checkpoint of the step reached).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::data::dataloader::Progress;
+use burn::module::{AutodiffModule, Module};
+use burn::optim::GradientsAccumulator;
+use burn::train::{
+    EventProcessorTraining, LearnerEvent, LearningComponentsTypes, TrainingBackend, TrainingItem,
+    TrainingModel,
+};
+
+use super::lock;
+use super::policy::{Agreement, OnNonFinite, StepPolicy};
+use super::resume::wait_for_epoch_checkpoint;
+use super::validation::validate;
+use super::worker::{Leader, Role, Worker};
+use crate::checkpoint::{DdpState, StepState};
+use crate::ddp::DistributedDataParallel;
+use crate::metrics::{EpochReport, RankReport};
+use crate::{BufferSync, DdpError, Result};
+
+/// Why an epoch's loop ended before its data.
+enum Stop {
+    /// burn-train's `Interrupter` (a user's or a callback's stop): no checkpoint.
+    Interrupted,
+    /// A stop signal reached these ranks: checkpoint the step, then stop.
+    Signal(Vec<(usize, i32)>),
+}
+
+/// The run's counters, carried across epochs (and restored by a resume).
+struct Counters {
+    /// Optimizer steps taken (skipped steps excluded).
+    optimizer_steps: u64,
+    /// Gradient synchronisations (skipped steps included): the consistency check's cadence, and
+    /// the numbers of step checkpoints.
+    synchronisations: u64,
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
+    /// Trains the epochs of `self.epochs`.
+    pub(super) fn train_epochs(
+        &mut self,
+        ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
+        report: &mut RankReport,
+    ) -> Result<()> {
+        let world_size = self.group.world_size();
+        let mut policy = StepPolicy::new(&self.config, self.grad_accumulation)?;
+        let mut counters = Counters {
+            optimizer_steps: self.resume.optimizer_steps,
+            synchronisations: self.resume.synchronisations,
+        };
+        // BatchNorm statistics are updated in the forward pass: a skipped step must undo that.
+        // Only buffers: frozen weights do not change.
+        let buffers = ddp.replica_layout().buffer_mask();
+        let has_buffers = buffers.contains(&true);
+        let first_epoch = *self.epochs.start();
+
+        for epoch in self.epochs.clone() {
+            let epoch_start = Instant::now();
+            let progress_global = Progress::new(epoch, *self.epochs.end());
+            let dataloader = self.dataloader.clone();
+            // burn-train's epoch k is sampler epoch k - 1: a resumed run gets the order the
+            // uninterrupted run would have had, without the user telling the loader.
+            let _epoch = crate::sampler::enter_epoch(epoch as u64 - 1);
+            let mut iterator = dataloader.iter();
+            // A run resumed from a step checkpoint skips the batches that were trained.
+            let skip = if epoch == first_epoch {
+                self.resume.batches
+            } else {
+                0
+            };
+            for _ in 0..skip {
+                if iterator.next().is_none() {
+                    break;
+                }
+            }
+            let mut accumulator = GradientsAccumulator::<TrainingModel<LC>>::new();
+            let mut buffer_snapshot: Option<Vec<f32>> = None;
+            let mut steps = 0u64;
+            let mut step = skip;
+            let mut epoch_samples = 0u64;
+            let mut stop = None;
+            loop {
+                let before = iterator.progress().items_processed;
+                let item = iterator.next();
+                let samples = match &item {
+                    Some(_) => iterator
+                        .progress()
+                        .items_processed
+                        .saturating_sub(before)
+                        .max(1),
+                    None => 0,
+                };
+                let started = Instant::now();
+                let agreement = self.agree(samples)?;
+                report.coordination += started.elapsed();
+                if agreement.interrupted {
+                    stop = Some(Stop::Interrupted);
+                    break;
+                }
+                // A stop signal is taken at an optimizer step's boundary, on every rank alike.
+                if !agreement.signalled.is_empty() && policy.at_step_boundary() {
+                    stop = Some(Stop::Signal(agreement.signalled));
+                    break;
+                }
+                epoch_samples += agreement.total();
+                if agreement.samples.iter().all(|&s| s == 0) {
+                    break;
+                }
+                policy.check_even(&agreement, self.rank, epoch, step)?;
+                if has_buffers && policy.may_skip() && policy.at_step_boundary() {
+                    // Taken before this step's forward passes touch BatchNorm statistics.
+                    buffer_snapshot = Some(crate::replica::snapshot_selected(
+                        &self.learner.model(),
+                        &buffers,
+                    ));
+                }
+                let output = item.map(|item| {
+                    let started = Instant::now();
+                    let output = self.learner.train_step(item);
+                    report.compute += started.elapsed();
+                    report.batches += 1;
+                    output
+                });
+                if policy.join() && crate::sync_bn::used_on_this_thread() {
+                    return Err(DdpError::InvalidConfig(
+                        "SyncBatchNorm cannot be combined with UnevenInputs::Join: a rank without \
+                         a batch skips its forward pass and its SyncBatchNorm collectives"
+                            .into(),
+                    ));
+                }
+                let (grads, item) = match output {
+                    Some(output) => (Some(output.grads), Some(output.item)),
+                    // Join mode: this rank ran out of batches and contributes zeros.
+                    None => (None, None),
+                };
+                let complete = policy.micro_batch_done();
+                let ready = if policy.accumulates() {
+                    if let Some(grads) = grads {
+                        accumulator.accumulate(&self.learner.model(), grads);
+                    }
+                    complete.then(|| Some(accumulator.grads()))
+                } else {
+                    Some(grads)
+                };
+                if let Some(grads) = ready {
+                    let options = policy.reduce_options(samples as u64, agreement.total());
+                    let outcome =
+                        ddp.sync_gradients_with(&self.learner.model(), grads, &options)?;
+                    counters.synchronisations += 1;
+                    if outcome.non_finite {
+                        if policy.on_non_finite() == OnNonFinite::Fail {
+                            let flags = self.group.all_gather(
+                                &[u64::from(outcome.local_non_finite)],
+                                self.config.timeout(),
+                            )?;
+                            return Err(DdpError::NonFinite {
+                                rank: self.rank,
+                                epoch,
+                                step: steps + report.skipped_steps,
+                                ranks: (0..world_size).filter(|&r| flags[r] != 0).collect(),
+                            });
+                        }
+                        report.skipped_steps += 1;
+                        // The forward passes updated BatchNorm statistics with the bad batch.
+                        if let Some(snapshot) = &buffer_snapshot {
+                            let model = self.learner.model();
+                            // Fold the pending updates first, so they cannot land afterwards.
+                            let _ = model.valid();
+                            let model = crate::replica::restore_selected(model, snapshot, &buffers);
+                            self.learner.load_model(model.into_record());
+                        }
+                        tracing::warn!(
+                            "burn-ddp: rank {}: skipped step {step} of epoch {epoch}: the gradients \
+                             are not finite",
+                            self.rank
+                        );
+                    } else {
+                        let started = Instant::now();
+                        self.learner.lr_step();
+                        self.learner.optimizer_step(outcome.grads);
+                        report.optimizer += started.elapsed();
+                        steps += 1;
+                        counters.optimizer_steps += 1;
+                    }
+                    self.sync_buffers(ddp)?;
+                    let every = self.config.consistency_check_every();
+                    if every > 0 && counters.synchronisations.is_multiple_of(every) {
+                        ddp.check_consistency(&self.learner.model(), counters.optimizer_steps)?;
+                    }
+                    let every = self.config.checkpoint_every();
+                    if every > 0
+                        && !outcome.non_finite
+                        && counters.optimizer_steps.is_multiple_of(every)
+                    {
+                        self.write_step_checkpoint(epoch, step + 1, &counters)?;
+                    }
+                }
+                step += 1;
+
+                let Some(item) = item else {
+                    continue;
+                };
+                let local = iterator.progress();
+                let item = TrainingItem::new(
+                    item,
+                    Progress::new(
+                        local.items_processed * world_size,
+                        local.items_total * world_size,
+                    ),
+                    progress_global.clone(),
+                    Some(step),
+                    Some(self.learner.lr_current()),
+                );
+                match &mut self.role {
+                    Role::Leader(leader) => {
+                        leader
+                            .event_processor
+                            .process_train(LearnerEvent::ProcessedItem(item));
+                        forward_pending(leader);
+                    }
+                    Role::Follower(sender) => {
+                        // Rank 0 only stops listening when training ends; a failed send means
+                        // it is gone, which the next collective reports.
+                        let _ = sender.send(item);
+                    }
+                    // Rank 0, in another process, reports its own items.
+                    Role::Silent(_) => {}
+                }
+            }
+            let train_time = epoch_start.elapsed();
+            drop(iterator);
+            if let Some(Stop::Signal(signalled)) = stop {
+                return Err(self.stop_for_signal(epoch, step, &counters, signalled));
+            }
+            let interrupted = stop.is_some();
+
+            let mut stop_requested = interrupted;
+            if let Role::Leader(leader) = &mut self.role {
+                forward_pending(leader);
+                leader
+                    .event_processor
+                    .process_train(LearnerEvent::EndEpoch(epoch));
+                lock(&self.report).epochs.push(EpochReport {
+                    epoch,
+                    samples: epoch_samples,
+                    steps,
+                    train_time,
+                });
+                if !interrupted {
+                    validate::<LC>(&self.learner, leader, &progress_global, &self.interrupter);
+                    if let Some(checkpointer) = &mut leader.checkpointer {
+                        checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
+                        // burn-train writes in the background: the barrier below must not let
+                        // anyone past before the files are on disk.
+                        if let Err(why) = wait_for_epoch_checkpoint(
+                            checkpointer,
+                            &self.learner,
+                            &self.device,
+                            epoch,
+                        ) {
+                            tracing::debug!(
+                                "burn-ddp: no complete checkpoint of epoch {epoch} (the \
+                                 checkpointing strategy may have skipped it): {why}"
+                            );
+                        }
+                    }
+                    if let Some(dir) = self.config.checkpoint_dir() {
+                        DdpState {
+                            epoch,
+                            world_size,
+                            optimizer_steps: counters.optimizer_steps,
+                            next_sampler_epoch: epoch as u64,
+                        }
+                        .write(dir)?;
+                    }
+                    if let Some(early_stopping) = &mut leader.early_stopping
+                        && early_stopping.should_stop(epoch, &leader.event_store)
+                    {
+                        tracing::info!("burn-ddp: early stopping after epoch {epoch}");
+                        stop_requested = true;
+                    }
+                }
+            }
+            // Everyone waits here while rank 0 validates and writes checkpoints: the barrier
+            // after the checkpoint. It also carries the stop votes and stop signals.
+            let votes = self.group.all_gather(
+                &[
+                    u64::from(stop_requested || self.interrupter.should_stop()),
+                    self.signal().map_or(0, |s| s as u64),
+                ],
+                self.config.epoch_end_timeout(),
+            )?;
+            let signalled: Vec<(usize, i32)> = votes
+                .chunks(2)
+                .enumerate()
+                .filter(|(_, v)| v[1] != 0)
+                .map(|(r, v)| (r, v[1] as i32))
+                .collect();
+            if !signalled.is_empty() && epoch < *self.epochs.end() && !interrupted {
+                // The epoch is complete: the next run starts with the next one.
+                return Err(self.stop_for_signal(epoch + 1, 0, &counters, signalled));
+            }
+            if votes.chunks(2).any(|v| v[0] != 0) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// One small all-gather per step: how many samples each rank's batch has (0: none left),
+    /// whether it was interrupted and whether it received a stop signal. Every rank gets the same
+    /// answer, so all stop at the same step.
+    fn agree(&self, samples: usize) -> Result<Agreement> {
+        let words = Agreement::words(samples, self.interrupter.should_stop(), self.signal());
+        let all = self.group.all_gather(&words, self.config.timeout())?;
+        Ok(Agreement::from_words(&all))
+    }
+
+    /// The stop signal this process received, when the configuration honours them.
+    fn signal(&self) -> Option<i32> {
+        if self.config.stop_on_signal() {
+            crate::signals::received()
+        } else {
+            None
+        }
+    }
+
+    /// Keeps buffers identical across replicas in separate processes (threads share Burn's
+    /// `RunningState`, which averages).
+    fn sync_buffers(&mut self, ddp: &DistributedDataParallel<TrainingBackend<LC>>) -> Result<()> {
+        if !self.average_buffers {
+            return Ok(());
+        }
+        let model = match self.config.buffer_sync() {
+            BufferSync::Average => ddp.average_buffers(self.learner.model())?,
+            BufferSync::Broadcast => ddp.sync_buffers(self.learner.model())?,
+            BufferSync::None => return Ok(()),
+        };
+        self.learner.load_model(model.into_record());
+        Ok(())
+    }
+
+    /// Rank 0 writes a step checkpoint of `batches` trained batches of `epoch` (when a checkpoint
+    /// directory is set); the other ranks do nothing. Returns the state file's path.
+    fn write_step_checkpoint(
+        &mut self,
+        epoch: usize,
+        batches: usize,
+        counters: &Counters,
+    ) -> Result<Option<PathBuf>> {
+        let Role::Leader(leader) = &mut self.role else {
+            return Ok(None);
+        };
+        let Some(checkpoints) = &mut leader.step_checkpoints else {
+            return Ok(None);
+        };
+        let state = StepState {
+            number: counters.synchronisations,
+            epoch,
+            batches,
+            world_size: self.group.world_size(),
+            optimizer_steps: counters.optimizer_steps,
+        };
+        let path = checkpoints.save(&self.learner, &state, &leader.event_store, &self.device)?;
+        tracing::info!(
+            "burn-ddp: rank 0 wrote step checkpoint {} (batch {batches} of epoch {epoch})",
+            state.number
+        );
+        Ok(Some(path))
+    }
+
+    /// The end of a run stopped by a signal at `batches` trained batches of `epoch`: rank 0
+    /// checkpoints that step, every rank waits until it is written (so no process exits, and no
+    /// launcher stops the others, before the checkpoint is on disk), and all return the same
+    /// [`DdpError::Preempted`].
+    fn stop_for_signal(
+        &mut self,
+        epoch: usize,
+        batches: usize,
+        counters: &Counters,
+        signalled: Vec<(usize, i32)>,
+    ) -> DdpError {
+        let written = self.write_step_checkpoint(epoch, batches, counters);
+        let ok = u64::from(written.is_ok());
+        let all = match self
+            .group
+            .all_gather(&[ok], self.config.epoch_end_timeout())
+        {
+            Ok(all) => all,
+            Err(err) => return err,
+        };
+        if let Err(err) = written {
+            return err;
+        }
+        if all.first() == Some(&0) {
+            return DdpError::Checkpoint {
+                path: self
+                    .config
+                    .checkpoint_dir()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default(),
+                detail: "rank 0 could not write the checkpoint of the step where a stop signal \
+                         stopped training (see rank 0's error)"
+                    .into(),
+            };
+        }
+        let checkpoint = self.config.checkpoint_dir().map(|dir| {
+            StepState::path(dir, counters.synchronisations)
+                .display()
+                .to_string()
+        });
+        DdpError::Preempted {
+            rank: self.rank,
+            epoch,
+            batches,
+            signalled,
+            checkpoint,
+        }
+    }
+}
+
+/// Hands the items other ranks sent so far to burn-train's event processor.
+fn forward_pending<LC: LearningComponentsTypes>(leader: &mut Leader<LC>) {
+    while let Ok(item) = leader.items.try_recv() {
+        leader
+            .event_processor
+            .process_train(LearnerEvent::ProcessedItem(item));
+    }
+}

@@ -1,0 +1,412 @@
+//! [`DdpStrategy`]: data-parallel training as a drop-in strategy for burn-train's `Learner`.
+//!
+//! One worker thread per device, each with its own replica (a clone of the learner: model,
+//! optimizer, LR scheduler) and its own shard of the training set. Each step every replica runs
+//! forward and backward on its batch, the gradients are averaged across replicas by the
+//! [`Reducer`](crate::Reducer), and every replica applies the same optimizer step, so the replicas
+//! stay bit-identical. Rank 0 alone drives burn-train's events (progress, metrics), runs
+//! validation, writes checkpoints and decides early stopping; the other ranks forward their
+//! training items to it, so the metrics cover the global batch.
+//!
+//! The rooms: this file is what the user builds and how a run is set up; [`worker`] the ranks'
+//! threads, roles and failures; [`epoch`] the training loop; [`policy`] the step decisions
+//! (join, accumulation, non-finite gradients); [`validation`]; [`resume`] the checkpoints a run
+//! starts from.
+
+mod epoch;
+mod policy;
+mod resume;
+mod validation;
+mod worker;
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::Device;
+use burn::train::{
+    Learner, LearningComponentsTypes, LearningResult, SupervisedLearningStrategy,
+    SupervisedTraining, SupervisedTrainingEventProcessor, TrainLoader, TrainingBackend,
+    TrainingComponents, TrainingModel, TrainingStrategy, ValidLoader,
+};
+
+use crate::group::{ProcessGroup, ThreadGroup};
+use crate::metrics::TrainingReport;
+use crate::{DdpConfig, DdpError, Result, UnevenInputs};
+use resume::StepCheckpoints;
+use worker::{Leader, Role, Worker, run_all, split_train_loader};
+
+type InferenceModel<LC> = <LC as LearningComponentsTypes>::InferenceModel;
+
+/// What happens when training fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OnError {
+    /// Panic with the error's message: burn-train's `SupervisedLearningStrategy::fit` returns no
+    /// `Result`, so a panic is the only way `SupervisedTraining::launch` can report a failure.
+    Panic,
+    /// Record the error and return the model as it is; [`DdpTraining::launch_ddp`] turns the
+    /// record into an `Err`.
+    Record,
+}
+
+/// Data-parallel training across devices, as a burn-train strategy.
+///
+/// Switching an existing `SupervisedTraining` to it takes one line:
+///
+/// ```no_run
+/// # use burn::backend::{Autodiff, Flex};
+/// # use burn::train::{SupervisedTraining, LearningComponentsTypes};
+/// # fn doc<LC: LearningComponentsTypes<Backend = Autodiff<Flex>> + Send + 'static>(training: SupervisedTraining<LC>) -> SupervisedTraining<LC> {
+/// use burn_ddp::DdpStrategy;
+/// let devices = vec![Default::default(); 2]; // two replicas (CPU: two threads)
+/// training.with_training_strategy(DdpStrategy::new(devices).into())
+/// # }
+/// ```
+///
+/// The training set is split into `world_size` equal contiguous shards with
+/// `DataLoader::slice` (a remainder of fewer than `world_size` items is dropped, so every rank has
+/// the same number of batches). For PyTorch's `DistributedSampler` semantics (a new global shuffle
+/// every epoch, strided shards, the same samples per step as single-device training), give
+/// `SupervisedTraining` a [`DistributedDataLoader`](crate::DistributedDataLoader) built for the
+/// same world size. The loader's batch size is the **per-rank** batch.
+///
+/// Semantics worth knowing:
+/// - the LR scheduler steps once per optimizer step (with `grads_accumulation(k)`, once every `k`
+///   batches; burn-train's single-device loop steps it every batch);
+/// - with `grads_accumulation(k)` gradients are synchronised once per optimizer step, on the sum
+///   of the `k` micro-batches; micro-batches left over at the end of an epoch are dropped, as
+///   burn-train does;
+/// - buffers (BatchNorm running statistics): replicas that are threads of one process share
+///   Burn's `RunningState`, which averages the replicas' updates;
+/// - a failure (a rank's error, a timeout, a panic in the model) stops every rank;
+///   `SupervisedTraining::launch` then panics with the error, [`DdpTraining::launch_ddp`]
+///   returns it.
+pub struct DdpStrategy<LC: LearningComponentsTypes> {
+    devices: Vec<Device<TrainingBackend<LC>>>,
+    /// `Some`: one replica in this process, rank `group.rank()` of a multi-process job.
+    process_group: Option<Arc<dyn ProcessGroup>>,
+    config: DdpConfig,
+    on_error: OnError,
+    report: Arc<Mutex<TrainingReport>>,
+    error: Arc<Mutex<Option<DdpError>>>,
+}
+
+impl<LC: LearningComponentsTypes> Clone for DdpStrategy<LC> {
+    fn clone(&self) -> Self {
+        Self {
+            devices: self.devices.clone(),
+            process_group: self.process_group.clone(),
+            config: self.config.clone(),
+            on_error: self.on_error,
+            report: self.report.clone(),
+            error: self.error.clone(),
+        }
+    }
+}
+
+impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
+    /// One replica per device; rank `r` runs on `devices[r]`. On CPU backends, repeat the one
+    /// device: each replica is a thread.
+    pub fn new(devices: Vec<Device<TrainingBackend<LC>>>) -> Self {
+        Self {
+            devices,
+            process_group: None,
+            config: DdpConfig::default(),
+            on_error: OnError::Panic,
+            report: Arc::default(),
+            error: Arc::default(),
+        }
+    }
+
+    /// One replica on `device` in this process, as rank `group.rank()` of a multi-process job
+    /// (one process per device, started by `burn-ddp run`, torchrun, srun or mpirun). Every
+    /// process of the job runs the same training with its own strategy; global rank 0 emits
+    /// burn-train's events, validates and writes checkpoints, the other ranks stay silent.
+    ///
+    /// ```no_run
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn::train::{SupervisedTraining, LearningComponentsTypes};
+    /// # fn doc<LC: LearningComponentsTypes<Backend = Autodiff<Flex>> + Send + 'static>(training: SupervisedTraining<LC>) -> Result<SupervisedTraining<LC>, burn_ddp::DdpError> {
+    /// use std::sync::Arc;
+    /// use burn_ddp::{DdpStrategy, TcpGroup, TcpGroupOptions};
+    /// // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the launcher.
+    /// let group = Arc::new(TcpGroup::from_env(&TcpGroupOptions::default())?);
+    /// let strategy = DdpStrategy::with_process_group(Default::default(), group);
+    /// Ok(training.with_training_strategy(strategy.into()))
+    /// # }
+    /// ```
+    pub fn with_process_group(
+        device: Device<TrainingBackend<LC>>,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Self {
+        Self {
+            process_group: Some(group),
+            ..Self::new(vec![device])
+        }
+    }
+
+    /// Replaces the configuration (timeouts, bucket caps).
+    pub fn with_config(mut self, config: DdpConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Number of replicas in the whole job.
+    pub fn world_size(&self) -> usize {
+        match &self.process_group {
+            Some(group) => group.world_size(),
+            None => self.devices.len(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DdpConfig {
+        &self.config
+    }
+
+    /// Throughput and per-rank timing of the last run (shared by clones of this strategy, so keep
+    /// a clone to read it after `launch`).
+    pub fn report(&self) -> TrainingReport {
+        lock(&self.report).clone()
+    }
+
+    /// The error that ended the last run, if any (shared by clones of this strategy).
+    pub fn take_error(&self) -> Option<DdpError> {
+        lock(&self.error).take()
+    }
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> From<DdpStrategy<LC>> for TrainingStrategy<LC> {
+    fn from(strategy: DdpStrategy<LC>) -> Self {
+        TrainingStrategy::Custom(Arc::new(strategy))
+    }
+}
+
+/// Launching a `SupervisedTraining` with a [`DdpStrategy`] and getting failures as values.
+pub trait DdpTraining<LC: LearningComponentsTypes> {
+    /// Runs the training with `strategy`, like `SupervisedTraining::launch`, but returns a
+    /// failure (timeout, dead rank, uneven data, replicas that differ, ...) as `Err` instead of
+    /// panicking.
+    ///
+    /// # Errors
+    /// The [`DdpError`] that ended training: the root cause when several ranks failed.
+    fn launch_ddp(
+        self,
+        learner: Learner<LC>,
+        strategy: DdpStrategy<LC>,
+    ) -> Result<LearningResult<InferenceModel<LC>>>;
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for SupervisedTraining<LC> {
+    fn launch_ddp(
+        self,
+        learner: Learner<LC>,
+        mut strategy: DdpStrategy<LC>,
+    ) -> Result<LearningResult<InferenceModel<LC>>> {
+        strategy.on_error = OnError::Record;
+        let handle = strategy.clone();
+        let result = self.with_training_strategy(strategy.into()).launch(learner);
+        match handle.take_error() {
+            Some(err) => Err(err),
+            None => Ok(result),
+        }
+    }
+}
+
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> SupervisedLearningStrategy<LC>
+    for DdpStrategy<LC>
+{
+    fn fit(
+        &self,
+        training_components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+        *lock(&self.error) = None;
+        let outcome = self.run(
+            training_components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+        );
+        match outcome {
+            Ok((model, processor, None)) => (model, processor),
+            Ok((model, processor, Some(err))) if self.on_error == OnError::Record => {
+                tracing::error!("burn-ddp: training failed: {err}");
+                *lock(&self.error) = Some(err);
+                (model, processor)
+            }
+            Ok((_, _, Some(err))) | Err(err) => {
+                *lock(&self.error) = Some(err.clone());
+                if let DdpError::Preempted { .. } = err {
+                    // The process was asked to end, and the checkpoint is written: end it, with
+                    // the documented exit code (`launch_ddp` returns the error instead).
+                    eprintln!("burn-ddp: {err}");
+                    std::process::exit(crate::PREEMPTED_EXIT_CODE);
+                }
+                tracing::error!("burn-ddp: training failed: {err}");
+                // burn-train's `fit` cannot return an error and rank 0's event processor is
+                // gone or must not be used, so the failure ends in a panic that carries the
+                // error; `DdpTraining::launch_ddp` returns it as a value instead.
+                panic!("burn-ddp: training failed: {err}");
+            }
+        }
+    }
+}
+
+/// Rank 0's model and event processor, and the error that stopped training, if any.
+type RunOutcome<LC> = (
+    TrainingModel<LC>,
+    SupervisedTrainingEventProcessor<LC>,
+    Option<DdpError>,
+);
+
+impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
+    fn run(
+        &self,
+        components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> Result<RunOutcome<LC>> {
+        let world_size = self.world_size();
+        // The ranks this process runs, with their groups and devices.
+        let local: Result<Vec<(usize, Arc<dyn ProcessGroup>)>> = match &self.process_group {
+            Some(group) => Ok(vec![(group.rank(), group.clone())]),
+            None if world_size == 0 => Err(DdpError::InvalidConfig(
+                "DdpStrategy needs at least one device, got none".into(),
+            )),
+            None => ThreadGroup::new_group(world_size).map(|groups| {
+                groups
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, g)| (rank, Arc::new(g) as Arc<dyn ProcessGroup>))
+                    .collect()
+            }),
+        };
+        let join = self.config.uneven_inputs() == UnevenInputs::Join;
+        let accumulation = components.grad_accumulation.unwrap_or(1);
+        // Stop signals are recorded (not fatal) while the run lasts, so every rank can stop at
+        // the same step and rank 0 can write a checkpoint of it.
+        let _signals = self.config.stop_on_signal().then(crate::signals::arm);
+        let prepared = self.config.validate().and_then(|()| {
+            if join && accumulation > 1 {
+                return Err(DdpError::InvalidConfig(
+                    "UnevenInputs::Join cannot be combined with grads_accumulation".into(),
+                ));
+            }
+            let local = local?;
+            let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
+            let shards = split_train_loader::<LC>(
+                &dataloader_train,
+                &ranks,
+                world_size,
+                &self.devices,
+                join,
+            )?;
+            Ok((local, shards))
+        });
+        let (local, shards) = match prepared {
+            Ok(prepared) => prepared,
+            // Nothing started: hand burn-train its components back with the error.
+            Err(err) => return Ok((learner.model(), components.event_processor, Some(err))),
+        };
+        let first_rank = local.first().map_or(0, |(rank, _)| *rank);
+        let resumed = resume::prepare(
+            &self.config,
+            &learner,
+            components.checkpointer.as_ref(),
+            starting_epoch,
+            &self.devices[0],
+            first_rank,
+            world_size,
+        );
+        let (learner, resume) = match resumed {
+            Ok((loaded, resume)) => (loaded.unwrap_or(learner), resume),
+            Err(err) => return Ok((learner.model(), components.event_processor, Some(err))),
+        };
+        *lock(&self.report) = TrainingReport {
+            world_size,
+            epochs: Vec::new(),
+            ranks: Vec::new(),
+        };
+        let threads = self.process_group.is_none();
+        tracing::info!(
+            "burn-ddp: {world_size} replica(s) as {}, {} training items per rank, {}",
+            if threads { "threads" } else { "processes" },
+            shards[0].num_items(),
+            self.config
+        );
+
+        let (sender, receiver) = mpsc::channel();
+        let mut receiver = Some(receiver);
+        let mut processor = Some(components.event_processor);
+        let mut validation = Some((
+            components.checkpointer,
+            components.early_stopping,
+            components.event_store,
+        ));
+        let workers: Vec<Worker<LC>> = local
+            .into_iter()
+            .zip(shards)
+            .zip(self.devices.iter().cloned())
+            .map(|(((rank, group), dataloader), device)| {
+                let role = match (rank, processor.take(), validation.take()) {
+                    (
+                        0,
+                        Some(event_processor),
+                        Some((checkpointer, early_stopping, event_store)),
+                    ) => Role::Leader(Box::new(Leader {
+                        event_processor,
+                        dataloader_valid: dataloader_valid.to_device(&device),
+                        checkpointer,
+                        step_checkpoints: self.config.checkpoint_dir().map(StepCheckpoints::new),
+                        early_stopping,
+                        event_store,
+                        items: receiver.take().unwrap_or_else(|| mpsc::channel().1),
+                    })),
+                    (_, Some(event_processor), _) => Role::Silent(Box::new(event_processor)),
+                    _ => Role::Follower(sender.clone()),
+                };
+                Worker {
+                    rank,
+                    group,
+                    device,
+                    learner: learner.clone(),
+                    dataloader,
+                    role,
+                    config: self.config.clone(),
+                    interrupter: components.interrupter.clone(),
+                    grad_accumulation: components.grad_accumulation.unwrap_or(1).max(1),
+                    epochs: resume.starting_epoch..=components.num_epochs,
+                    report: self.report.clone(),
+                    average_buffers: !threads && world_size > 1,
+                    resume: resume.clone(),
+                }
+            })
+            .collect();
+        drop(sender);
+        drop(learner);
+
+        let (ranks, leader_parts, error) = run_all(workers, self.config.timeout());
+        lock(&self.report).ranks = ranks;
+        match leader_parts {
+            Some((model, processor)) => Ok((model, processor, error)),
+            // Rank 0's thread could not be started or is stuck: burn-train's event processor is
+            // with it, so `fit` has nothing to return and must panic, even under `launch_ddp`.
+            None => Err(error.unwrap_or_else(|| DdpError::WorkerPanicked {
+                rank: 0,
+                message: "rank 0 ended without returning its model".into(),
+            })),
+        }
+    }
+}

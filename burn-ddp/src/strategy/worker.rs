@@ -1,0 +1,352 @@
+//! The ranks of a [`DdpStrategy`](super::DdpStrategy) run: who each one is (its role), its
+//! thread and lifecycle (set-up, start-up checks, training, failure), and how the strategy
+//! collects their results, naming the root cause when several fail.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::tensor::Device;
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{
+    CloneEarlyStoppingStrategy, Interrupter, Learner, LearningCheckpointer,
+    LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
+    TrainingBackend, TrainingItem, TrainingModel, ValidLoader,
+};
+
+use super::resume::{Resume, StepCheckpoints};
+use crate::ddp::DistributedDataParallel;
+use crate::group::ProcessGroup;
+use crate::metrics::{RankReport, TrainingReport};
+use crate::{DdpConfig, DdpError, Result};
+
+pub(super) type ModelOutput<LC> = <TrainingModel<LC> as TrainStep>::Output;
+
+/// What rank 0 holds besides its replica: burn-train's components and the other ranks' items.
+pub(super) struct Leader<LC: LearningComponentsTypes> {
+    pub event_processor: SupervisedTrainingEventProcessor<LC>,
+    pub dataloader_valid: ValidLoader<LC>,
+    pub checkpointer: Option<LearningCheckpointer<LC>>,
+    /// burn-ddp's step checkpoints (with a checkpoint directory).
+    pub step_checkpoints: Option<StepCheckpoints<LC>>,
+    pub early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
+    pub event_store: Arc<EventStoreClient>,
+    pub items: Receiver<TrainingItem<ModelOutput<LC>>>,
+}
+
+/// Where a rank's training items go.
+pub(super) enum Role<LC: LearningComponentsTypes> {
+    /// Global rank 0.
+    Leader(Box<Leader<LC>>),
+    /// Another rank in the same process: its items go to rank 0.
+    Follower(Sender<TrainingItem<ModelOutput<LC>>>),
+    /// Another rank in its own process: emits nothing, but hands this process's event processor
+    /// back to burn-train.
+    Silent(Box<SupervisedTrainingEventProcessor<LC>>),
+}
+
+/// Everything one rank needs, moved into its thread.
+pub(super) struct Worker<LC: LearningComponentsTypes> {
+    pub rank: usize,
+    pub group: Arc<dyn ProcessGroup>,
+    pub device: Device<TrainingBackend<LC>>,
+    pub learner: Learner<LC>,
+    pub dataloader: TrainLoader<LC>,
+    pub role: Role<LC>,
+    pub config: DdpConfig,
+    pub interrupter: Interrupter,
+    pub grad_accumulation: usize,
+    pub epochs: std::ops::RangeInclusive<usize>,
+    pub report: Arc<Mutex<TrainingReport>>,
+    /// Average buffers (BatchNorm statistics) across ranks after every step: replicas in other
+    /// processes do not share Burn's `RunningState`.
+    pub average_buffers: bool,
+    /// Where the run starts: batches of the first epoch to skip, counters so far.
+    pub resume: Resume,
+}
+
+/// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
+pub(super) struct Finished<LC: LearningComponentsTypes> {
+    pub result: Result<()>,
+    pub report: RankReport,
+    pub leader: Option<(TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>)>,
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
+    /// Trains this rank to the end (or its failure), catching panics.
+    pub fn run(mut self) -> Finished<LC> {
+        let mut report = RankReport {
+            rank: self.rank,
+            ..RankReport::default()
+        };
+        let mut model_out = None;
+        let result =
+            std::panic::catch_unwind(AssertUnwindSafe(|| self.train(&mut report, &mut model_out)));
+        let result = match result {
+            Ok(result) => result,
+            // SyncBatchNorm's collectives raise their errors as panics carrying the error.
+            Err(payload) => match payload.downcast::<DdpError>() {
+                Ok(err) => Err(*err),
+                Err(payload) => Err(DdpError::WorkerPanicked {
+                    rank: self.rank,
+                    message: panic_message(payload.as_ref()),
+                }),
+            },
+        };
+        match &result {
+            // Every rank stopped at the same step: nothing to abort.
+            Err(err @ DdpError::Preempted { .. }) => {
+                tracing::warn!("burn-ddp: rank {}: {err}", self.rank);
+            }
+            Err(err) => {
+                tracing::error!("burn-ddp: rank {} failed: {err}", self.rank);
+                // Peers must not wait for this rank: fail their collectives at once.
+                self.group.abort(&err.to_string());
+            }
+            Ok(()) => {}
+        }
+        let model = || model_out.unwrap_or_else(|| self.learner.model());
+        let leader = match self.role {
+            Role::Leader(leader) => Some((model(), leader.event_processor)),
+            Role::Silent(processor) => Some((model(), *processor)),
+            Role::Follower(_) => None,
+        };
+        Finished {
+            result,
+            report,
+            leader,
+        }
+    }
+
+    fn train(
+        &mut self,
+        report: &mut RankReport,
+        model_out: &mut Option<TrainingModel<LC>>,
+    ) -> Result<()> {
+        // CUDA replicas reduce with NCCL, in GPU memory (the host group bootstraps it).
+        self.group = crate::nccl::group_for_device(self.group.clone(), &self.device, &self.config)?;
+        // SyncBatchNorm layers synchronise with this rank's group.
+        let _current =
+            crate::sync_bn::enter_process_group(self.group.clone(), self.config.timeout());
+        self.learner.fork(&self.device);
+        // Check the replicas and start from rank 0's parameters and buffers.
+        let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::new(
+            self.group.clone(),
+            self.learner.model(),
+            &self.device,
+            self.config.clone(),
+        )?;
+        self.learner.load_model(model.into_record());
+        // Processes resuming from different checkpoints would train different steps, and
+        // different settings would diverge or call different collectives.
+        let mine = [
+            *self.epochs.start() as u64,
+            *self.epochs.end() as u64,
+            self.resume.batches as u64,
+            self.config.semantics_fingerprint() ^ self.grad_accumulation as u64,
+        ];
+        let all = self.group.all_gather(&mine, self.config.timeout())?;
+        if let Some((other, theirs)) = all
+            .chunks(mine.len())
+            .enumerate()
+            .find(|(_, theirs)| *theirs != mine)
+        {
+            let detail = if theirs[..3] != mine[..3] {
+                format!(
+                    "rank {} trains epochs {}..={} from batch {} but rank {other} trains {}..={} \
+                     from batch {} (resumed from different checkpoints?)",
+                    self.rank, mine[0], mine[1], mine[2], theirs[0], theirs[1], theirs[2]
+                )
+            } else {
+                format!(
+                    "rank {} and rank {other} have different DdpConfig training settings (clipping, \
+                     non-finite policy, uneven inputs, buffer sync, bucket caps) or gradient \
+                     accumulation; here: {}",
+                    self.rank, self.config
+                )
+            };
+            return Err(DdpError::ReplicaMismatch {
+                rank: self.rank,
+                detail,
+            });
+        }
+        let result = self.train_epochs(&mut ddp, report);
+        // Counters also on failure: they tell how far the rank got.
+        report.comm = ddp.comm_stats().clone();
+        result?;
+        *model_out = Some(self.learner.model());
+        Ok(())
+    }
+}
+
+/// Every rank's report, rank 0's model and event processor, and the root cause of a failure.
+pub(super) type Collected<LC> = (
+    Vec<RankReport>,
+    Option<(TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>)>,
+    Option<DdpError>,
+);
+
+/// Runs `workers` (one thread each; a single one on the calling thread) and collects what they
+/// give back: every rank's report, rank 0's model and event processor, and the root cause when
+/// ranks failed. Returns `None` for rank 0's parts when its thread could not start or is stuck.
+pub(super) fn run_all<LC: LearningComponentsTypes + Send + 'static>(
+    workers: Vec<Worker<LC>>,
+    grace: std::time::Duration,
+) -> Collected<LC> {
+    // Plain (not scoped) threads: if a rank is stuck in user code after another failed,
+    // `fit` must still return the error instead of joining it forever.
+    let (done_tx, done_rx) = mpsc::channel::<(usize, Finished<LC>)>();
+    let mut errors = Vec::new();
+    let mut running = std::collections::BTreeSet::new();
+    // One replica in this process (world size 1, or one rank of a multi-process job): it
+    // trains on the calling thread, as plain Burn does. A spawned thread gets its own glibc
+    // malloc arena, whose heap trimming costs about 10% on models with large tensors
+    // (measured with `cargo xtask bench`, MLP 5.8M on Flex).
+    let inline = workers.len() == 1;
+    for worker in workers {
+        let rank = worker.rank;
+        if inline {
+            running.insert(rank);
+            let _ = done_tx.send((rank, worker.run()));
+            continue;
+        }
+        let done_tx = done_tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("burn-ddp-rank-{rank}"))
+            .spawn(move || {
+                let _ = done_tx.send((rank, worker.run()));
+            });
+        match spawned {
+            Ok(_) => {
+                running.insert(rank);
+            }
+            // The worker was dropped with the closure: its peers see it leave at once.
+            Err(e) => errors.push(DdpError::WorkerPanicked {
+                rank,
+                message: format!("could not start the rank's thread: {e}"),
+            }),
+        }
+    }
+    drop(done_tx);
+
+    let mut deadline = (!errors.is_empty()).then(|| Instant::now() + grace);
+    let mut leader_parts = None;
+    let mut ranks: std::collections::BTreeMap<usize, RankReport> = running
+        .iter()
+        .map(|&rank| {
+            (
+                rank,
+                RankReport {
+                    rank,
+                    ..RankReport::default()
+                },
+            )
+        })
+        .collect();
+    while !running.is_empty() {
+        let received = match deadline {
+            None => done_rx.recv().ok(),
+            Some(deadline) => done_rx
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .ok(),
+        };
+        let Some((rank, finished)) = received else {
+            break;
+        };
+        running.remove(&rank);
+        if let Err(err) = finished.result {
+            if !matches!(err, DdpError::Preempted { .. }) {
+                deadline.get_or_insert_with(|| Instant::now() + grace);
+            }
+            errors.push(err);
+        }
+        ranks.insert(rank, finished.report);
+        if finished.leader.is_some() {
+            leader_parts = finished.leader;
+        }
+    }
+    for &rank in &running {
+        let err = DdpError::Unresponsive {
+            rank,
+            waited: grace,
+        };
+        tracing::error!("burn-ddp: {err}");
+        errors.push(err);
+    }
+    (
+        ranks.into_values().collect(),
+        leader_parts,
+        root_cause(errors),
+    )
+}
+
+/// The training shards of `ranks` (global ranks run by this process, on `devices`): the loader is
+/// cut into `world_size` equal contiguous slices (a remainder of fewer than `world_size` items is
+/// dropped so every rank has as many batches) and rank `r` takes slice `r`. With `join`, nothing
+/// is dropped: the slices are `chunk_range(items, world_size, r)`, differing by at most one item.
+pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
+    loader: &TrainLoader<LC>,
+    ranks: &[usize],
+    world_size: usize,
+    devices: &[Device<TrainingBackend<LC>>],
+    join: bool,
+) -> Result<Vec<TrainLoader<LC>>> {
+    let items = loader.num_items();
+    let per_rank = items / world_size;
+    if per_rank == 0 {
+        return Err(DdpError::InvalidConfig(format!(
+            "the training set has {items} items, fewer than the {world_size} replicas"
+        )));
+    }
+    if !join && !items.is_multiple_of(world_size) {
+        tracing::warn!(
+            "burn-ddp: {items} training items do not divide between {world_size} replicas; the \
+             last {} are not used (use DistributedDataLoader to pad instead)",
+            items % world_size
+        );
+    }
+    Ok(ranks
+        .iter()
+        .zip(devices)
+        .map(|(&rank, device)| {
+            if world_size == 1 {
+                loader.to_device(device)
+            } else if join {
+                let range = crate::group::chunk_range(items, world_size, rank);
+                loader.slice(range.start, range.end).to_device(device)
+            } else {
+                loader
+                    .slice(rank * per_rank, (rank + 1) * per_rank)
+                    .to_device(device)
+            }
+        })
+        .collect())
+}
+
+/// The error to report when several ranks failed: a panic or a local error first, then a
+/// timeout, then a peer that left, then an abort (which only repeats an earlier failure); a stop
+/// by signal only when nothing else went wrong.
+fn root_cause(errors: Vec<DdpError>) -> Option<DdpError> {
+    let weight = |e: &DdpError| match e {
+        DdpError::WorkerPanicked { .. } => 0,
+        DdpError::Preempted { .. } => 5,
+        DdpError::Aborted { .. } => 4,
+        DdpError::PeerLeft { .. } => 3,
+        DdpError::Timeout { .. } | DdpError::Unresponsive { .. } => 2,
+        _ => 1,
+    };
+    errors.into_iter().min_by_key(weight)
+}
+
+/// The message of a panic's payload.
+pub(super) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
+}
