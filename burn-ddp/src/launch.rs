@@ -201,6 +201,26 @@ pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
     } else {
         None
     };
+    run_job(config, server)
+}
+
+/// [`launch`] on node 0 with a store `server` the caller already serves (bound to port 0, say,
+/// so the other nodes can be told the port before they start); `config.master_port` is ignored.
+///
+/// # Errors
+/// As [`launch`].
+pub fn launch_with_store(config: &LaunchConfig, server: StoreServer) -> Result<Vec<AttemptReport>> {
+    config.validate()?;
+    if config.node_rank != 0 {
+        return Err(DdpError::InvalidConfig(format!(
+            "only node 0 serves the store; this is node {}",
+            config.node_rank
+        )));
+    }
+    run_job(config, Some(server))
+}
+
+fn run_job(config: &LaunchConfig, server: Option<StoreServer>) -> Result<Vec<AttemptReport>> {
     let master_port = server
         .as_ref()
         .map_or(config.master_port, |s| s.local_addr().port());
@@ -616,17 +636,10 @@ fn pump(
 mod tests {
     use super::*;
 
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    }
-
     fn sh(script: &str, n: usize) -> LaunchConfig {
         let mut config = LaunchConfig::new(n, "/bin/sh", vec!["-c".into(), script.into()]);
-        config.master_port = free_port();
+        // The launcher binds port 0 and hands the port it got to the workers.
+        config.master_port = 0;
         config.kill_grace = Duration::from_secs(2);
         config
     }
@@ -640,15 +653,16 @@ mod tests {
             2,
         );
         config.log_dir = Some(dir.clone());
-        let reports = launch(&config).unwrap();
+        let server = StoreServer::bind("0.0.0.0:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
+        let reports = launch_with_store(&config, server).unwrap();
         assert_eq!(reports.len(), 1);
         for rank in 0..2 {
             let log = std::fs::read_to_string(dir.join(format!("rank-{rank}.log"))).unwrap();
             assert_eq!(
                 log,
                 format!(
-                    "[rank {rank}] rank={rank} world=2 local={rank}/2 master=127.0.0.1:{} restart=0\n",
-                    config.master_port
+                    "[rank {rank}] rank={rank} world=2 local={rank}/2 master=127.0.0.1:{port} restart=0\n"
                 )
             );
         }
@@ -696,7 +710,9 @@ mod tests {
     fn a_failure_on_one_node_restarts_the_workers_of_every_node() {
         // Two launchers (nodes) of one worker each. Node 1's worker fails in round 0; node 0's
         // would sleep for a minute: its launcher must see the new round, stop it and restart.
-        let port = free_port();
+        // Node 0's store on a port the system picked, known before node 1 starts.
+        let server = StoreServer::bind("0.0.0.0:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
         let script = "if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 4; fi; \
                       if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ]; then sleep 60; fi; exit 0";
         let node = move |node_rank: usize| {
@@ -708,8 +724,7 @@ mod tests {
             config
         };
         let started = Instant::now();
-        let node0 = std::thread::spawn(move || launch(&node(0)));
-        std::thread::sleep(Duration::from_millis(300));
+        let node0 = std::thread::spawn(move || launch_with_store(&node(0), server));
         let node1 = launch(&node(1)).unwrap();
         let node0 = node0.join().unwrap().unwrap();
         assert!(
@@ -754,7 +769,7 @@ mod tests {
         config.node_rank = 1;
         assert!(matches!(launch(&config), Err(DdpError::InvalidConfig(_))));
         let config = LaunchConfig {
-            master_port: free_port(),
+            master_port: 0,
             ..LaunchConfig::new(1, "/nonexistent/program", Vec::new())
         };
         assert!(matches!(launch(&config), Err(DdpError::Launch(_))));

@@ -157,14 +157,13 @@ pub fn rendezvous(
 mod tests {
     use super::*;
     use crate::topology::TopologySource;
-    use std::net::TcpListener;
 
-    fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
+    /// A store on a port the system picked (no race with other tests for a "free" port), served
+    /// by the test as a launcher would: the ranks' topologies say so (`agent_store`).
+    fn store() -> (StoreServer, u16) {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
+        (server, port)
     }
 
     fn addr(port: u16) -> impl FnOnce(IpAddr) -> Result<String> {
@@ -179,7 +178,7 @@ mod tests {
             local_world_size: world_size,
             master_addr: "127.0.0.1".into(),
             master_port: port,
-            agent_store: false,
+            agent_store: true,
             restart_count: 0,
             source: TopologySource::Torchrun,
         }
@@ -187,7 +186,7 @@ mod tests {
 
     #[test]
     fn ranks_meet_and_learn_each_others_addresses() {
-        let port = free_port();
+        let (_server, port) = store();
         let handles: Vec<_> = (0..3)
             .map(|rank| {
                 std::thread::spawn(move || {
@@ -209,7 +208,7 @@ mod tests {
 
     #[test]
     fn a_missing_rank_is_named_within_the_timeout() {
-        let port = free_port();
+        let (_server, port) = store();
         let started = Instant::now();
         let handles: Vec<_> = (0..2)
             .map(|rank| {
@@ -232,11 +231,16 @@ mod tests {
 
     #[test]
     fn a_duplicate_rank_and_a_different_world_size_are_errors() {
-        let port = free_port();
+        let (_server, port) = store();
         let first = std::thread::spawn(move || {
-            rendezvous(&topology(0, 2, port), Duration::from_secs(2), addr(1)).err()
+            rendezvous(&topology(0, 2, port), Duration::from_secs(5), addr(1)).err()
         });
-        std::thread::sleep(Duration::from_millis(300));
+        // Until the first process has claimed rank 0 (an event, not a guess of how long).
+        let watcher =
+            StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_secs(5)).unwrap();
+        watcher
+            .wait(&["burn-ddp/round-0/rank/0/claims"], Duration::from_secs(20))
+            .unwrap();
         // A second process claiming rank 0 (it connects to the store rank 0 serves).
         let mut duplicate = topology(0, 2, port);
         duplicate.agent_store = true;

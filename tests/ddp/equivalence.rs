@@ -4,7 +4,8 @@
 use burn::optim::lr_scheduler::exponential::ExponentialLrSchedulerConfig;
 use burn::optim::{AdamConfig, SgdConfig};
 use burn_ddp_tests::{
-    Mlp, Run, device, float_tensors, materialized, max_relative_difference, run_training,
+    CountingScheduler, Mlp, Run, device, float_tensors, materialized, max_relative_difference,
+    run_training,
 };
 
 /// Tolerance of the issue: max relative difference 1e-5.
@@ -120,8 +121,12 @@ fn gradient_accumulation_syncs_once_per_optimizer_step() {
     run.grad_accumulation = Some(2);
     let (single, _) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
     run.replicas = Some(2);
-    let (ddp, report) = run_training(model, SgdConfig::new().init(), 0.1, &run).unwrap();
+    let scheduler = CountingScheduler::new(0.1);
+    let (ddp, report) =
+        run_training(model, SgdConfig::new().init(), scheduler.clone(), &run).unwrap();
     assert_trained_and_equal(&initial, &single, &ddp);
+    // The scheduler steps once per optimizer step on each replica: 10 steps, 2 replicas.
+    assert_eq!(scheduler.count(), 2 * 10, "LR scheduler steps");
     let report = report.unwrap();
     assert_eq!(report.epochs[0].steps, 10, "20 batches, accumulated by 2");
     for rank in &report.ranks {

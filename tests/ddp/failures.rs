@@ -107,8 +107,9 @@ fn a_rank_that_never_calls_the_all_reduce_is_named_within_the_timeout() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let (result, elapsed) = results[0].clone().expect("rank 0 reports");
+    // The timeout, with generous room for a loaded 2-core machine (not a speed test).
     assert!(
-        elapsed >= timeout && elapsed < timeout + Duration::from_secs(2),
+        elapsed >= timeout && elapsed < timeout + Duration::from_secs(15),
         "rank 0 waited {elapsed:?} for a {timeout:?} timeout"
     );
     match result {

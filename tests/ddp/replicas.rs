@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn::data::dataloader::batcher::Batcher;
+use burn::module::AutodiffModule;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
@@ -14,8 +15,8 @@ use burn_ddp::{
     DdpConfig, DdpError, DistributedDataParallel, ProcessGroup, ThreadGroup, value_fingerprint,
 };
 use burn_ddp_tests::{
-    Batch, BnCnn, ItemBatcher, Mlp, Run, TestBackend, device, materialized, run_training,
-    synthetic_dataset,
+    Batch, BnCnn, ItemBatcher, Mlp, Run, TestBackend, device, float_tensors, materialized,
+    run_training, synthetic_dataset,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -222,4 +223,83 @@ fn the_start_up_broadcast_is_bit_exact_for_f64_models() {
         fingerprints[0].1, fingerprints[0].0,
         "rank 0 keeps its values"
     );
+}
+
+#[test]
+fn buffer_sync_averages_the_ranks_statistics_or_copies_rank_0s() {
+    // Two replicas see different batches, so their BatchNorm running statistics differ; then
+    // `average_buffers` must give every rank the mean of the two, and `sync_buffers` (PyTorch's
+    // broadcast_buffers) rank 0's.
+    let data = synthetic_dataset(16, 8);
+    // Per rank: every float tensor before and after the buffer sync.
+    type BeforeAfter = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+    let run = |average: bool| -> Vec<BeforeAfter> {
+        let groups = ThreadGroup::new_group(2).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|group| {
+                    let data = &data;
+                    s.spawn(move || {
+                        let rank = group.rank();
+                        let group: Arc<dyn ProcessGroup> = Arc::new(group);
+                        let model = BnCnn::<TestBackend>::new(&device());
+                        let (ddp, model) = DistributedDataParallel::new(
+                            group,
+                            model,
+                            &device(),
+                            DdpConfig::default(),
+                        )
+                        .unwrap();
+                        let shard = data[rank * 8..rank * 8 + 8].to_vec();
+                        let batch: Batch<TestBackend> = ItemBatcher.batch(shard, &device());
+                        let _ = TrainStep::step(&model, batch);
+                        let before = float_tensors(&model.valid());
+                        let model = if average {
+                            ddp.average_buffers(model).unwrap()
+                        } else {
+                            ddp.sync_buffers(model).unwrap()
+                        };
+                        (before, float_tensors(&model.valid()))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    // The buffers: BatchNorm's running mean and variance (tensors 4 and 5 of conv, norm, fc).
+    let buffers = [4usize, 5];
+    let averaged = run(true);
+    let (before0, before1) = (&averaged[0].0, &averaged[1].0);
+    for &b in &buffers {
+        assert_ne!(
+            before0[b], before1[b],
+            "tensor {b}: the ranks saw different batches"
+        );
+        let mean: Vec<f32> = before0[b]
+            .iter()
+            .zip(&before1[b])
+            .map(|(x, y)| (x + y) / 2.0)
+            .collect();
+        for (rank, (_, after)) in averaged.iter().enumerate() {
+            assert_eq!(
+                after[b], mean,
+                "rank {rank}, tensor {b}: the mean of the ranks"
+            );
+        }
+    }
+    let broadcast = run(false);
+    for &b in &buffers {
+        for (rank, (_, after)) in broadcast.iter().enumerate() {
+            assert_eq!(
+                after[b], broadcast[0].0[b],
+                "rank {rank}, tensor {b}: rank 0's"
+            );
+        }
+        assert_ne!(broadcast[1].0[b], broadcast[0].0[b]);
+    }
+    // Parameters are not buffers: untouched.
+    for (before, after) in averaged.iter().chain(&broadcast) {
+        assert_eq!(before[0], after[0]);
+    }
 }

@@ -15,8 +15,8 @@ use burn_ddp::{
     UnevenInputs,
 };
 use burn_ddp_tests::{
-    Batch, BnCnn, Mlp, Run, copy_of, device, float_tensors, materialized, max_relative_difference,
-    run_training,
+    Batch, BnCnn, CountingScheduler, Mlp, Run, copy_of, device, float_tensors, materialized,
+    max_relative_difference, run_training, with_values,
 };
 
 /// An MLP whose rank-1 replica produces NaN logits at its 3rd batch.
@@ -89,6 +89,13 @@ impl<B: Backend> InferenceStep for NanBnOnRank1<B> {
 }
 
 fn nan_run(policy: NonFinite) -> Result<burn_ddp_tests::Trained, DdpError> {
+    nan_run_with(policy, CountingScheduler::new(0.1))
+}
+
+fn nan_run_with(
+    policy: NonFinite,
+    scheduler: CountingScheduler,
+) -> Result<burn_ddp_tests::Trained, DdpError> {
     let model = materialized(NanOnRank1 {
         inner: Mlp::new(&device()),
     });
@@ -96,12 +103,15 @@ fn nan_run(policy: NonFinite) -> Result<burn_ddp_tests::Trained, DdpError> {
     run.config = DdpConfig::default()
         .with_non_finite(policy)
         .with_consistency_check_every(1);
-    run_training(model, SgdConfig::new().init(), 0.1, &run)
+    run_training(model, SgdConfig::new().init(), scheduler, &run)
 }
 
 #[test]
 fn a_nan_on_one_rank_skips_the_step_on_every_rank() {
-    let (params, report) = nan_run(NonFinite::SkipStep).unwrap();
+    let scheduler = CountingScheduler::new(0.1);
+    let (params, report) = nan_run_with(NonFinite::SkipStep, scheduler.clone()).unwrap();
+    // Not on the skipped step: 7 optimizer steps on each of the 2 replicas.
+    assert_eq!(scheduler.count(), 2 * 7, "LR scheduler steps");
     assert!(
         params.iter().flatten().all(|v| v.is_finite()),
         "a NaN reached the parameters"
@@ -160,11 +170,9 @@ fn two_process_run_of(
     buffers: BufferSync,
     nan: bool,
 ) -> Vec<Result<burn_ddp_tests::Trained, DdpError>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // The store is the test's, on a port the system picked, as a launcher would serve it.
+    let store = burn_ddp::store::StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = store.local_addr().port();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
@@ -179,7 +187,7 @@ fn two_process_run_of(
                         local_world_size: 2,
                         master_addr: "127.0.0.1".into(),
                         master_port: port,
-                        agent_store: false,
+                        agent_store: true,
                         restart_count: 0,
                         source: TopologySource::Torchrun,
                     };
@@ -210,12 +218,21 @@ fn two_process_run_of(
 
 #[test]
 fn buffers_stay_identical_across_processes_by_averaging_or_broadcast() {
+    // (The values each mode gives are checked step by step in
+    // `replicas::buffer_sync_averages_the_ranks_statistics_or_copies_rank_0s`.)
+    let mut finals = Vec::new();
     for mode in [BufferSync::Average, BufferSync::Broadcast] {
         let results = two_process_run(mode);
         let (rank0, _) = results[0].as_ref().unwrap();
         let (rank1, _) = results[1].as_ref().unwrap();
         assert_eq!(rank0, rank1, "{mode:?}: the replicas differ");
+        finals.push(rank0.clone());
     }
+    // Averaging and broadcasting are different operations: their running statistics differ.
+    assert_ne!(
+        finals[0][4], finals[1][4],
+        "running means of Average and Broadcast"
+    );
 }
 
 #[test]
@@ -371,10 +388,11 @@ fn join_weights_unequal_partial_batches_by_their_samples() {
 fn sync_batch_norm_over_2_replicas_matches_batch_norm_on_one_device() {
     use burn_ddp_tests::SyncBnCnn;
     let model = materialized(SyncBnCnn::new(&device()));
-    // One device, batch 16: SyncBatchNorm without a process group is plain BatchNorm.
-    // (`copy_of`: clones of a module share Burn's RunningState, runs must not.)
+    // The reference is Burn's own BatchNorm, with the same values, on one device with the
+    // whole batch of 16 (a fresh model: clones of a module share Burn's RunningState).
+    let reference = with_values(materialized(BnCnn::new(&device())), &float_tensors(&model));
     let (single, _) = run_training(
-        copy_of(&model),
+        reference,
         SgdConfig::new().init(),
         0.1,
         &Run::new(None, 16, 10 * 16),
@@ -393,7 +411,7 @@ fn sync_batch_norm_over_2_replicas_matches_batch_norm_on_one_device() {
     // Plain BatchNorm normalises each replica's 8 samples on their own: not the same training.
     let plain = materialized(BnCnn::new(&device()));
     let (one, _) = run_training(
-        plain.clone(),
+        copy_of(&plain),
         SgdConfig::new().init(),
         0.1,
         &Run::new(None, 16, 160),

@@ -605,6 +605,80 @@ impl<B: burn::tensor::backend::Backend, R: burn::record::FileRecorder<B>>
     }
 }
 
+/// A constant learning rate that counts its scheduler steps: its clones (one per replica) add to
+/// one shared count, so a run of N replicas and S optimizer steps counts N * S.
+#[derive(Clone, Debug)]
+pub struct CountingScheduler {
+    /// The learning rate.
+    pub lr: f64,
+    /// Steps taken by this scheduler and its clones.
+    pub steps: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CountingScheduler {
+    /// A scheduler of constant `lr`, with its count.
+    pub fn new(lr: f64) -> Self {
+        Self {
+            lr,
+            steps: Arc::default(),
+        }
+    }
+
+    /// Steps counted so far.
+    pub fn count(&self) -> usize {
+        self.steps.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl LrScheduler for CountingScheduler {
+    type Record<B: Backend> = ();
+
+    fn step(&mut self) -> f64 {
+        self.steps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.lr
+    }
+
+    fn to_record<B: Backend>(&self) -> Self::Record<B> {}
+
+    fn load_record<B: Backend>(self, _record: Self::Record<B>) -> Self {
+        self
+    }
+}
+
+/// `model` with its float tensors (registration order) set to `values`, shapes checked: the same
+/// starting point for two models of the same layout (e.g. `BatchNorm` and `SyncBatchNorm`).
+pub fn with_values<B: Backend, M: Module<B>>(model: M, values: &[Vec<f32>]) -> M {
+    struct Set<'a> {
+        values: &'a [Vec<f32>],
+        next: usize,
+    }
+    impl<B: Backend> burn::module::ModuleMapper<B> for Set<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let shape = tensor.shape();
+            let values = self.values[self.next].clone();
+            self.next += 1;
+            assert_eq!(
+                values.len(),
+                shape.num_elements(),
+                "tensor #{}",
+                self.next - 1
+            );
+            let value = Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device());
+            let value = if tensor.is_require_grad() {
+                value.require_grad()
+            } else {
+                value
+            };
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    let mut set = Set { values, next: 0 };
+    let model = model.map(&mut set);
+    assert_eq!(set.next, values.len(), "number of tensors");
+    model
+}
+
 /// A freshly initialised model whose lazily created parameters are materialised, so clones share
 /// the same values (Burn initialises parameters lazily, per clone).
 pub fn materialized<M: Module<TestBackend>>(model: M) -> M {

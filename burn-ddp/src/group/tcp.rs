@@ -178,10 +178,23 @@ impl TcpGroup {
         let world_size = topology.world_size;
         let started = Instant::now();
         let deadline = started.checked_add(options.connect_timeout);
-        // Listen on the address this host uses to reach the store: a peer that reaches the store
-        // reaches it too, in the same address family.
+        // Listen on the address this host uses to reach the store (a peer that reaches the store
+        // reaches it too, in the same address family), or on the interface
+        // `BURN_DDP_SOCKET_IFNAME` names.
+        let interface = match std::env::var(SOCKET_IFNAME_VAR) {
+            Ok(name) if !name.is_empty() => {
+                Some(interface_ip(&name).map_err(|detail| DdpError::Connect {
+                    rank,
+                    peer: rank,
+                    addr: format!("{SOCKET_IFNAME_VAR}={name}"),
+                    detail,
+                })?)
+            }
+            _ => None,
+        };
         let mut listening = None;
-        let rendezvous = rendezvous(topology, options.connect_timeout, |ip| {
+        let rendezvous = rendezvous(topology, options.connect_timeout, |store_ip| {
+            let ip = interface.unwrap_or(store_ip);
             let listener =
                 TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| DdpError::Connect {
                     rank,
@@ -231,16 +244,44 @@ impl TcpGroup {
                 .ok()
                 .and_then(|mut a| a.next())
                 .ok_or_else(|| connect_error("address does not resolve".into()))?;
+            // The peer published this address after it started listening there: a refusal or
+            // an unreachable network does not get better by waiting, and a working network
+            // connects in milliseconds. Fail within seconds, naming the fix, and tell the peers
+            // through the store so they do not wait for this connection until their timeout.
+            let first_try = Instant::now();
             let mut stream = loop {
                 match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
                     Ok(stream) => break stream,
-                    Err(e) if deadline.is_some_and(|d| Instant::now() >= d) => {
-                        return Err(connect_error(format!(
-                            "not reachable within {} s: {e}",
-                            options.connect_timeout.as_secs_f64()
-                        )));
+                    Err(e) => {
+                        let unusable = matches!(
+                            e.kind(),
+                            io::ErrorKind::ConnectionRefused
+                                | io::ErrorKind::HostUnreachable
+                                | io::ErrorKind::NetworkUnreachable
+                                | io::ErrorKind::AddrNotAvailable
+                        );
+                        let waited = first_try.elapsed();
+                        let give_up = if unusable {
+                            UNUSABLE_ADDRESS_GRACE
+                        } else {
+                            UNREACHABLE_ADDRESS_WINDOW
+                        };
+                        if waited >= give_up || deadline.is_some_and(|d| Instant::now() >= d) {
+                            let err = connect_error(unusable_address(
+                                peer,
+                                addr,
+                                &e,
+                                waited,
+                                topology,
+                                &rendezvous.store.local_ip(),
+                            ));
+                            let _ = rendezvous
+                                .store
+                                .set(&Self::abort_key(&rendezvous), err.to_string().as_bytes());
+                            return Err(err);
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
                     }
-                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
                 }
             };
             hello(&mut stream).map_err(|e| connect_error(format!("handshake: {e}")))?;
@@ -267,6 +308,8 @@ impl TcpGroup {
                 detail: e.to_string(),
             })?;
         let mut refused: Vec<String> = Vec::new();
+        let abort_key = Self::abort_key(&rendezvous);
+        let mut abort_polled = Instant::now();
         while peers.iter().skip(rank + 1).any(Option::is_none) {
             match listener.accept() {
                 Ok((mut stream, from)) => {
@@ -324,6 +367,28 @@ impl TcpGroup {
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // A higher rank that cannot reach this one says so in the store.
+                    if abort_polled.elapsed() >= ABORT_POLL_INTERVAL {
+                        abort_polled = Instant::now();
+                        if let Ok(present) = rendezvous.store.check(&[&abort_key])
+                            && present.first() == Some(&true)
+                        {
+                            let reason = rendezvous
+                                .store
+                                .get(&abort_key, Duration::from_secs(1))
+                                .map(|r| String::from_utf8_lossy(&r).into_owned())
+                                .unwrap_or_default();
+                            let missing: Vec<usize> = (rank + 1..world_size)
+                                .filter(|&p| peers[p].is_none())
+                                .collect();
+                            return Err(DdpError::Connect {
+                                rank,
+                                peer: missing.first().copied().unwrap_or(rank),
+                                addr: listen_addr,
+                                detail: format!("rank(s) {missing:?} will not connect: {reason}"),
+                            });
+                        }
+                    }
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         let missing: Vec<usize> = (rank + 1..world_size)
                             .filter(|&p| peers[p].is_none())
@@ -671,6 +736,129 @@ fn split_pair(
     }
 }
 
+/// The variable naming the network interface whose address ranks listen on and publish (like
+/// NCCL's `NCCL_SOCKET_IFNAME`, Gloo's `GLOO_SOCKET_IFNAME`): for hosts where the interface that
+/// reaches the store is not the one other nodes reach this host on.
+pub const SOCKET_IFNAME_VAR: &str = "BURN_DDP_SOCKET_IFNAME";
+
+/// How long a published address may refuse connections (or report no route) before it is
+/// declared unusable: its rank listens there before publishing it, so only a race with a
+/// restarting network would need more.
+const UNUSABLE_ADDRESS_GRACE: Duration = Duration::from_secs(2);
+
+/// How long connection attempts to a published address may time out before it is declared
+/// unreachable (packets dropped by a firewall or routed nowhere).
+const UNREACHABLE_ADDRESS_WINDOW: Duration = Duration::from_secs(10);
+
+/// Why `peer`'s published `addr` cannot be used from this rank, and what to change.
+fn unusable_address(
+    peer: usize,
+    addr: &str,
+    error: &io::Error,
+    waited: Duration,
+    topology: &Topology,
+    mine: &std::net::IpAddr,
+) -> String {
+    let loopback = addr
+        .parse::<SocketAddr>()
+        .map(|a| a.ip().is_loopback())
+        .unwrap_or(false);
+    let hint = if loopback && !mine.is_loopback() {
+        format!(
+            "rank {peer} published a loopback address, which other hosts cannot reach: it met \
+             the store through a loopback MASTER_ADDR on its own host, while this rank reaches \
+             the store at {}:{} over the network; give every node the same MASTER_ADDR, an \
+             address of the store's host that every node reaches (`burn-ddp run --master-addr`)",
+            topology.master_addr, topology.master_port
+        )
+    } else {
+        format!(
+            "rank {peer} publishes the address of the interface it reaches the store with \
+             (MASTER_ADDR={}); if other nodes cannot reach that interface (a container bridge, \
+             a second network), set {SOCKET_IFNAME_VAR} to the interface they reach it on, or \
+             use a MASTER_ADDR every node reaches through the same network (`burn-ddp run \
+             --master-addr`)",
+            topology.master_addr
+        )
+    };
+    format!(
+        "rank {peer} published {addr} for its peers, but rank {} cannot connect to it ({error}, \
+         after {:.1} s): {hint}",
+        topology.rank,
+        waited.as_secs_f64()
+    )
+}
+
+/// The IPv4 (else IPv6) address of the network interface `name`.
+#[cfg(unix)]
+fn interface_ip(name: &str) -> std::result::Result<std::net::IpAddr, String> {
+    use std::ffi::CStr;
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: `getifaddrs` fills `list` with a linked list we free below with `freeifaddrs`.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return Err(format!(
+            "cannot list the network interfaces: {}",
+            io::Error::last_os_error()
+        ));
+    }
+    let mut found: Option<std::net::IpAddr> = None;
+    let mut names: Vec<String> = Vec::new();
+    let mut cursor = list;
+    while !cursor.is_null() {
+        // SAFETY: `cursor` is a node of the list `getifaddrs` returned, not yet freed.
+        let entry = unsafe { &*cursor };
+        cursor = entry.ifa_next;
+        if entry.ifa_name.is_null() || entry.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: `ifa_name` is a NUL-terminated string owned by the list.
+        let entry_name = unsafe { CStr::from_ptr(entry.ifa_name) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: `ifa_addr` points to a sockaddr whose family says which struct it is.
+        let ip = unsafe {
+            match i32::from((*entry.ifa_addr).sa_family) {
+                libc::AF_INET => {
+                    let v4 = &*(entry.ifa_addr as *const libc::sockaddr_in);
+                    Some(std::net::IpAddr::from(
+                        u32::from_be(v4.sin_addr.s_addr).to_be_bytes(),
+                    ))
+                }
+                libc::AF_INET6 => {
+                    let v6 = &*(entry.ifa_addr as *const libc::sockaddr_in6);
+                    Some(std::net::IpAddr::from(v6.sin6_addr.s6_addr))
+                }
+                _ => None,
+            }
+        };
+        if !names.contains(&entry_name) {
+            names.push(entry_name.clone());
+        }
+        if entry_name == name
+            && let Some(ip) = ip
+            && (found.is_none() || ip.is_ipv4())
+            && !found.is_some_and(|f| f.is_ipv4())
+        {
+            found = Some(ip);
+        }
+    }
+    // SAFETY: frees the list `getifaddrs` allocated; no reference into it outlives this call.
+    unsafe { libc::freeifaddrs(list) };
+    found.ok_or_else(|| {
+        format!(
+            "no interface {name} with an IP address (interfaces: {})",
+            names.join(", ")
+        )
+    })
+}
+
+#[cfg(not(unix))]
+fn interface_ip(name: &str) -> std::result::Result<std::net::IpAddr, String> {
+    Err(format!(
+        "{SOCKET_IFNAME_VAR}={name}: interfaces are only looked up on Unix"
+    ))
+}
+
 impl ProcessGroup for TcpGroup {
     fn rank(&self) -> usize {
         self.rank
@@ -895,17 +1083,11 @@ mod tests {
 
     const T: Duration = Duration::from_secs(20);
 
-    fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    }
-
-    /// Runs `f(group)` for every rank of a loopback TcpGroup, one thread per rank.
+    /// Runs `f(group)` for every rank of a loopback TcpGroup, one thread per rank, meeting
+    /// through a store the test serves on a port the system picked.
     fn run<R: Send>(n: usize, f: impl Fn(TcpGroup) -> R + Sync) -> Vec<R> {
-        let port = free_port();
+        let server = crate::store::StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..n)
                 .map(|rank| {
@@ -918,7 +1100,7 @@ mod tests {
                             local_world_size: n,
                             master_addr: "127.0.0.1".into(),
                             master_port: port,
-                            agent_store: false,
+                            agent_store: true,
                             restart_count: 0,
                             source: TopologySource::Torchrun,
                         };
@@ -1055,21 +1237,25 @@ mod tests {
     #[test]
     fn an_abort_reaches_peers_that_run_no_tcp_collective() {
         // As under NCCL: rank 1 aborts while rank 0 only polls `aborted()` (bounded wait).
+        let (seen_tx, seen_rx) = std::sync::mpsc::channel::<()>();
+        let seen_rx = Mutex::new(seen_rx);
         let results = run(2, |g| {
             if g.rank() == 1 {
                 g.abort("boom");
-                // Stay in the group until rank 0 has seen it.
-                std::thread::sleep(Duration::from_millis(1500));
+                // Stay in the group (and the store up) until rank 0 has seen it.
+                if let Ok(rx) = seen_rx.lock() {
+                    let _ = rx.recv_timeout(Duration::from_secs(30));
+                }
                 return g.aborted();
             }
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if let Some(reason) = g.aborted() {
-                    return Some(reason);
-                }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut seen = None;
+            while seen.is_none() && Instant::now() < deadline {
+                seen = g.aborted();
                 std::thread::sleep(Duration::from_millis(20));
             }
-            None
+            let _ = seen_tx.send(());
+            seen
         });
         for (rank, reason) in results.iter().enumerate() {
             let reason = reason
@@ -1084,17 +1270,25 @@ mod tests {
 
     #[test]
     fn a_silent_peer_times_out_naming_it() {
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let done_rx = Mutex::new(done_rx);
         let results = run(2, |g| {
             if g.rank() == 1 {
-                std::thread::sleep(Duration::from_secs(2));
+                // Silent, but connected, until rank 0's barrier is over.
+                if let Ok(rx) = done_rx.lock() {
+                    let _ = rx.recv_timeout(Duration::from_secs(30));
+                }
                 return None;
             }
             let started = Instant::now();
             let result = g.barrier(Duration::from_millis(500));
+            let _ = done_tx.send(());
             Some((result, started.elapsed()))
         });
         let (result, elapsed) = results[0].as_ref().unwrap();
-        assert!(*elapsed < Duration::from_secs(2), "{elapsed:?}");
+        // The 0.5 s timeout, with room for a loaded machine.
+        assert!(*elapsed >= Duration::from_millis(500), "{elapsed:?}");
+        assert!(*elapsed < Duration::from_secs(10), "{elapsed:?}");
         match result {
             Err(DdpError::Timeout { missing, .. }) => assert_eq!(missing, &vec![1]),
             other => panic!("expected a timeout naming rank 1, got {other:?}"),

@@ -172,7 +172,7 @@ impl NcclUniqueId {
     }
 }
 
-/// `ncclConfig_t` as NCCL 2.18 lays it out, plus 2.25's `trafficClass` (which fills what would
+/// `ncclConfig_t` as NCCL 2.18 lays it out, plus 2.26's `trafficClass` (which fills what would
 /// be padding). NCCL copies `min(size, its own size)` bytes of a caller's configuration and
 /// resets the fields newer than `version`, so later libraries accept this layout; the fields
 /// not set stay at `NCCL_CONFIG_UNDEF_INT` (NCCL's defaults).
@@ -190,7 +190,7 @@ pub struct NcclConfig {
     max_ctas: c_int,
     net_name: *const c_char,
     split_share: c_int,
-    /// `trafficClass` in NCCL 2.25's layout; set here so no byte NCCL copies is padding.
+    /// `trafficClass` in NCCL 2.26's layout; set here so no byte NCCL copies is padding.
     traffic_class: c_int,
 }
 
@@ -203,7 +203,7 @@ impl NcclConfig {
         Self {
             size: std::mem::size_of::<Self>(),
             magic: 0xcafe_beef,
-            // NCCL_VERSION(2, 18, 0): the layout above (NCCL ignores `trafficClass` below 2.25).
+            // NCCL_VERSION(2, 18, 0): the layout above (NCCL ignores `trafficClass` below 2.26).
             version: 2 * 10_000 + 18 * 100,
             blocking: c_int::from(blocking),
             cga_cluster_size: NCCL_CONFIG_UNDEF_INT,

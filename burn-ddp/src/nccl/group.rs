@@ -226,6 +226,74 @@ fn driver_error(rank: usize, op: &str, seq: u64, err: cu::DriverError) -> DdpErr
     }
 }
 
+/// `NCCL_COMM_BLOCKING=1` makes every NCCL call block until it completes, whatever the
+/// communicator's configuration says, so a collective that never completes could be neither
+/// timed out nor aborted: refused, with why.
+fn check_blocking_env(rank: usize) -> Result<()> {
+    check_blocking(std::env::var("NCCL_COMM_BLOCKING").ok().as_deref(), rank)
+}
+
+/// [`check_blocking_env`] for the variable's value.
+fn check_blocking(value: Option<&str>, rank: usize) -> Result<()> {
+    match value {
+        Some(value) if value.trim() == "1" => Err(DdpError::InvalidConfig(format!(
+            "rank {rank}: NCCL_COMM_BLOCKING=1 makes NCCL's calls blocking, which defeats \
+             burn-ddp's collective timeouts and aborts (a rank that never arrives would hang \
+             the others for ever); unset it"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Lets the devices `ordinals` (but `mine`) read and write the memory pool `device` allocates
+/// from (the one `cuMemAllocAsync` uses).
+///
+/// # Safety
+/// `device` must be a valid device whose context is current on this thread.
+unsafe fn grant_pool_access(
+    device: cusys::CUdevice,
+    ordinals: &[u64],
+    mine: usize,
+) -> std::result::Result<(), String> {
+    // `CUmemLocation` is `{ type, id }` (two C ints) in every CUDA release, but CUDA 13.2 wraps
+    // `id` in a union, so cudarc's struct differs by version: it is written as two ints.
+    const _: () = assert!(std::mem::size_of::<cusys::CUmemLocation>() == 8);
+    let peers: Vec<cusys::CUmemAccessDesc> = ordinals
+        .iter()
+        .filter(|&&o| o as usize != mine)
+        .map(|&o| {
+            // SAFETY: an all-zero descriptor is a valid value of this plain C struct; its
+            // location is then written as the two ints it is.
+            let mut desc: cusys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            let location = (&mut desc.location as *mut cusys::CUmemLocation).cast::<[c_int; 2]>();
+            // SAFETY: `location` points to the 8 bytes of `desc.location` (checked above).
+            unsafe {
+                *location = [
+                    cusys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as c_int,
+                    o as c_int,
+                ];
+            }
+            desc.flags = cusys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            desc
+        })
+        .collect();
+    if peers.is_empty() {
+        return Ok(());
+    }
+    let mut pool: cusys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is valid for writes; `device` is valid (the caller's guarantee).
+    let code = unsafe { cusys::cuDeviceGetMemPool(&mut pool, device) };
+    if code != cusys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuDeviceGetMemPool: {code:?}"));
+    }
+    // SAFETY: `pool` is the device's current pool; `peers` holds `peers.len()` descriptors.
+    let code = unsafe { cusys::cuMemPoolSetAccess(pool, peers.as_ptr(), peers.len()) };
+    if code != cusys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuMemPoolSetAccess: {code:?}"));
+    }
+    Ok(())
+}
+
 /// Sleeps a little longer each time a poll finds the work unfinished: the first polls spin,
 /// later ones sleep up to 200 µs, so a short collective returns quickly and a long wait does not
 /// burn a core.
@@ -273,6 +341,7 @@ impl NcclGroup {
     ) -> Result<Self> {
         let rank = host.rank();
         let world_size = host.world_size();
+        check_blocking_env(rank)?;
         check_cuda_driver()?;
         let api = nccl_api()?;
         let id = match id {
@@ -305,6 +374,36 @@ impl NcclGroup {
             .map_err(setup("cuDevicePrimaryCtxRetain"))?;
         // SAFETY: `ctx` was just retained.
         unsafe { cu::ctx::set_current(ctx) }.map_err(setup("cuCtxSetCurrent"))?;
+        // Several GPUs in one process (threads): NCCL's intra-process path writes straight into
+        // the peers' buffers, which CubeCL allocates from stream-ordered memory pools; peer
+        // access to a pool must be granted with cuMemPoolSetAccess (NCCL 2.23 and later do
+        // without it).
+        if host.backend() == "threads" && world_size > 1 {
+            let ordinals = host.all_gather(&[device_index as u64], timeout)?;
+            // SAFETY: `device` is a valid device and its context is current.
+            if let Err(why) = unsafe { grant_pool_access(device, &ordinals, device_index) } {
+                if api.version < 2 * 10_000 + 23 * 100 {
+                    return Err(DdpError::Nccl {
+                        rank,
+                        op: "cuMemPoolSetAccess".into(),
+                        seq: 0,
+                        code: "peer access".into(),
+                        detail: format!(
+                            "cannot give the other GPUs of this process access to cuda:\
+                             {device_index}'s memory pool ({why}), which NCCL {} needs for \
+                             several GPUs in one process; use NCCL 2.23 or later, or one \
+                             process per GPU (burn-ddp run)",
+                            api::version_string(api.version)
+                        ),
+                    });
+                }
+                tracing::debug!(
+                    "burn-ddp: rank {rank}: no peer access to cuda:{device_index}'s memory pool \
+                     ({why}); NCCL {} does not need it",
+                    api::version_string(api.version)
+                );
+            }
+        }
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(setup("cuStreamCreate"))?;
 
@@ -901,7 +1000,8 @@ impl Drop for NcclGroup {
         // SAFETY: the handles belong to this group and nothing uses them after this point.
         unsafe {
             let _ = cu::ctx::set_current(cuda.ctx);
-            if cuda.broken.is_none() {
+            // A communicator whose initialisation failed is NULL: nothing to finalize.
+            if cuda.broken.is_none() && !cuda.comm.is_null() {
                 // Finalize flushes what peers may still be receiving; bounded, then destroy. A
                 // communicator that does not finish in time is aborted instead.
                 let mut finished = false;
@@ -941,6 +1041,18 @@ impl Drop for NcclGroup {
 mod tests {
     use super::*;
     use crate::ThreadGroup;
+
+    #[test]
+    fn nccl_comm_blocking_is_refused_with_why() {
+        match check_blocking(Some("1"), 3) {
+            Err(DdpError::InvalidConfig(why)) => {
+                assert!(why.contains("rank 3") && why.contains("timeouts"), "{why}");
+            }
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        }
+        assert!(check_blocking(Some("0"), 0).is_ok());
+        assert!(check_blocking(None, 0).is_ok());
+    }
 
     /// Without a driver (CI), building the group is a clear error and the host group is aborted
     /// so the peers do not wait; with one (a GPU machine), a world of one builds and reduces.

@@ -123,6 +123,7 @@ pub fn nccl_result_name(code: u32) -> &'static str {
         5 => "ncclInvalidUsage",
         6 => "ncclRemoteError",
         7 => "ncclInProgress",
+        8 => "ncclTimeout",
         _ => "unknown NCCL result",
     }
 }
@@ -137,6 +138,7 @@ pub fn nccl_result_advice(code: u32) -> &'static str {
         5 => "invalid usage (ranks called different collectives, or two ranks share one GPU)",
         6 => "a remote rank failed or the connection to it broke",
         7 => "the operation is still in progress",
+        8 => "NCCL's own timeout passed (NCCL 2.30+): a peer did not take part in time",
         _ => "see NCCL_DEBUG=INFO",
     }
 }
@@ -228,6 +230,8 @@ mod tests {
     fn result_codes_have_their_nccl_names() {
         assert_eq!(nccl_result_name(0), "ncclSuccess");
         assert_eq!(nccl_result_name(5), "ncclInvalidUsage");
+        assert_eq!(nccl_result_name(8), "ncclTimeout");
+        assert!(nccl_result_advice(8).contains("timeout"));
         assert_eq!(nccl_result_name(7), "ncclInProgress");
         assert_eq!(nccl_result_name(99), "unknown NCCL result");
         assert!(nccl_result_advice(5).contains("share one GPU"));

@@ -240,7 +240,10 @@ impl<LC: LearningComponentsTypes + Send + 'static> SupervisedLearningStrategy<LC
         match outcome {
             Ok((model, processor, None)) => (model, processor),
             Ok((model, processor, Some(err))) if self.on_error == OnError::Record => {
-                tracing::error!("burn-ddp: training failed: {err}");
+                match &err {
+                    DdpError::Preempted { .. } => tracing::warn!("burn-ddp: {err}"),
+                    _ => tracing::error!("burn-ddp: training failed: {err}"),
+                }
                 *lock(&self.error) = Some(err);
                 (model, processor)
             }

@@ -155,15 +155,24 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
                             synchronisations: state.number,
                         },
                     };
+                    for skip in skipped.drain(..) {
+                        tracing::warn!("burn-ddp: rank {rank}: not resuming from {skip}");
+                    }
                     if rank == 0 {
                         tracing::info!("burn-ddp: resuming from {}", candidate.describe(dir));
                     }
                     break;
                 }
                 Err(why) => skipped.push(format!(
-                    "{}: cannot be loaded ({})",
+                    "{}: it cannot be loaded ({})",
                     candidate.describe(dir),
-                    why.lines().next().unwrap_or_default()
+                    // Burn's messages run on with advice about old formats.
+                    why.lines()
+                        .next()
+                        .unwrap_or_default()
+                        .split("\\n")
+                        .next()
+                        .unwrap_or_default()
                 )),
             }
         }

@@ -30,9 +30,10 @@ use burn::backend::Cuda;
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn_ddp::GradientCompression;
 use burn_ddp::ThreadGroup;
 use burn_ddp::group::{ProcessGroup, ReduceOp};
-use burn_ddp::nccl::{GradientCompression, NcclGroup, NcclIdSource};
+use burn_ddp::nccl::{NcclGroup, NcclIdSource};
 use serde_json::{Value, json};
 
 /// burn-cuda without fusion: the other tensor type the group resolves.
@@ -272,7 +273,11 @@ fn consecutive_steps(group: &NcclGroup, steps: usize) -> Value {
     let started = Instant::now();
     for step in 0..steps {
         let len = sizes[step % sizes.len()];
-        let offset = (step * 4099) % (big - len);
+        // burn-cubecl slices without copying (a view at a pointer offset) only at offsets that
+        // are multiples of 512 bytes, and copies otherwise: 3 steps in 4 use such offsets (128
+        // f32), so the offset path NCCL gets is really the view's; the 4th is unaligned.
+        let align = if step % 4 == 3 { 1 } else { 128 };
+        let offset = ((step * 4099) % ((big - len) / align)) * align;
         // Even steps: a freshly computed input (pending in Burn's queues); odd steps: a bare
         // slice of `base` (a buffer at an offset, when CubeCL slices without copying).
         let src = if step % 2 == 0 {
@@ -283,7 +288,7 @@ fn consecutive_steps(group: &NcclGroup, steps: usize) -> Value {
             base.clone().slice(offset..offset + len)
         };
         // A freshly zeroed buffer; the output is a slice of it, with zeros on both sides.
-        let out_at = (step * 31) % 1024 + 1;
+        let out_at = ((step * 31) % (1024 / align) + 1) * align;
         let zeros = Tensor::<Cuda, 1>::zeros([len + out_at + 1024], &device);
         let dst = zeros.clone().slice(out_at..out_at + len);
         if let Err(e) =

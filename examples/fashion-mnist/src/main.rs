@@ -10,7 +10,7 @@
 mod gpu_check;
 mod printer;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -23,9 +23,10 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::train::logger::InMemoryMetricLogger;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ExecutionStrategy, Learner, SupervisedTraining};
+use burn_ddp::checkpoint::AtomicRecorder;
 use burn_ddp::{
-    DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler, TcpGroup, TcpGroupOptions,
-    Topology,
+    DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler,
+    TcpGroup, TcpGroupOptions, Topology,
 };
 use clap::{Parser, ValueEnum};
 
@@ -76,9 +77,15 @@ struct Args {
     /// Write a checkpoint after every epoch (always on under `burn-ddp run`, so restarts resume).
     #[arg(long)]
     checkpoint: bool,
-    /// Resume after the newest checkpoint in ARTIFACTS/checkpoint (automatic after a restart).
+    /// Resume from the newest complete checkpoint in ARTIFACTS/checkpoint (automatic after a
+    /// restart by `burn-ddp run --max-restarts`): an epoch checkpoint, or a step checkpoint
+    /// written when the job was stopped by SIGTERM/SIGINT; a truncated one is passed over.
     #[arg(long)]
     resume: bool,
+    /// Also write a step checkpoint every N optimizer steps (0: only at the end of epochs and on
+    /// SIGTERM/SIGINT).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -114,7 +121,13 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match run_with_backend(&args) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
+        // Stopped by SIGTERM/SIGINT after the checkpoint of the step reached: the documented
+        // exit code, which `burn-ddp run` does not treat as a failure.
+        Err(Failure::Stopped(message)) => {
+            eprintln!("{message}");
+            ExitCode::from(burn_ddp::PREEMPTED_EXIT_CODE as u8)
+        }
+        Err(Failure::Other(message)) => {
             eprintln!("error: {message}");
             ExitCode::FAILURE
         }
@@ -137,6 +150,20 @@ fn gpu_check(args: &[String]) -> ExitCode {
 fn gpu_check(_args: &[String]) -> ExitCode {
     eprintln!("error: {NO_CUDA}");
     ExitCode::FAILURE
+}
+
+/// Why the example ended early.
+enum Failure {
+    /// Stopped by a signal after a checkpoint.
+    Stopped(String),
+    /// Anything else.
+    Other(String),
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::Other(message)
+    }
 }
 
 /// Where this process's replicas run: threads of this process (`--workers`), or one replica in
@@ -170,17 +197,17 @@ impl Job {
     }
 }
 
-fn run_with_backend(args: &Args) -> Result<(), String> {
+fn run_with_backend(args: &Args) -> Result<(), Failure> {
     let job = match Topology::from_env().map_err(|e| e.to_string())? {
         Some(topology) => Job::Process(topology),
         None => Job::Threads(workers(args)?),
     };
     if !args.batch_size.is_multiple_of(job.world_size()) {
-        return Err(format!(
+        return Err(Failure::Other(format!(
             "--batch-size {} does not divide between {} replicas: the global batch is split evenly",
             args.batch_size,
             job.world_size()
-        ));
+        )));
     }
     // One CPU device: every replica uses it (one thread each).
     match (args.device, args.backend) {
@@ -231,7 +258,7 @@ const NO_CUDA: &str = "this binary was built without CUDA: rebuild with `--featu
      (cargo xtask example fashion-mnist --features cuda -- --device cuda)";
 
 #[cfg(feature = "cuda")]
-fn cuda(args: &Args, job: &Job) -> Result<(), String> {
+fn cuda(args: &Args, job: &Job) -> Result<(), Failure> {
     use burn::backend::Cuda;
     use burn::backend::cuda::CudaDevice;
     // A clear error instead of a panic in Burn when there is no NVIDIA driver or NVRTC.
@@ -244,49 +271,25 @@ fn cuda(args: &Args, job: &Job) -> Result<(), String> {
         Job::Process(topology) if topology.local_rank < gpus => None,
         Job::Process(_) if gpus == 1 => Some(0),
         Job::Process(topology) => {
-            return Err(format!(
+            return Err(Failure::Other(format!(
                 "local rank {} has no GPU: {gpus} CUDA device(s) visible; run one process per GPU",
                 topology.local_rank
-            ));
+            )));
         }
     };
     train::<Autodiff<Cuda>>(args, job, |i| CudaDevice::new(index.unwrap_or(i)))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda(_args: &Args, _job: &Job) -> Result<(), String> {
-    Err(NO_CUDA.into())
-}
-
-/// The newest epoch with a complete checkpoint (model, optimizer and scheduler files) in `dir`.
-fn latest_checkpoint(dir: &Path) -> Option<usize> {
-    let epochs = |prefix: &str| -> Vec<usize> {
-        std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|entry| {
-                let name = entry.file_name().to_string_lossy().into_owned();
-                name.strip_prefix(prefix)?
-                    .strip_suffix(".mpk")?
-                    .parse()
-                    .ok()
-            })
-            .collect()
-    };
-    let optim = epochs("optim-");
-    let scheduler = epochs("scheduler-");
-    epochs("model-")
-        .into_iter()
-        .filter(|e| optim.contains(e) && scheduler.contains(e))
-        .max()
+fn cuda(_args: &Args, _job: &Job) -> Result<(), Failure> {
+    Err(Failure::Other(NO_CUDA.into()))
 }
 
 fn train<B: AutodiffBackend>(
     args: &Args,
     job: &Job,
     device_of: impl Fn(usize) -> B::Device,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let rank = job.rank();
     let world_size = job.world_size();
     let devices: Vec<B::Device> = job.local_devices().into_iter().map(device_of).collect();
@@ -323,15 +326,10 @@ fn train<B: AutodiffBackend>(
     // Burn creates parameters lazily; create them now, from the seed, on this thread.
     let _ = burn_ddp::value_fingerprint(&model);
 
-    // Resume after the newest complete checkpoint when asked, or when the launcher restarted us.
-    let checkpoints = args.artifacts.join("checkpoint");
+    // Resume from the newest complete checkpoint when asked, or when the launcher restarted us.
     let restarted =
         std::env::var(burn_ddp::topology::RESTART_COUNT_VAR).is_ok_and(|count| count != "0");
-    let resume_from = if args.resume || restarted {
-        latest_checkpoint(&checkpoints)
-    } else {
-        None
-    };
+    let resume = args.resume || restarted;
 
     let train_len = train_items.len();
     let sampler = DistributedSampler::new(train_len, world_size)
@@ -364,15 +362,17 @@ fn train<B: AutodiffBackend>(
     if rank != 0 {
         training = training.with_metric_logger(InMemoryMetricLogger::new());
     }
-    if args.checkpoint || resume_from.is_some() || job_restartable() {
-        training = training.with_file_checkpointer(CompactRecorder::new());
+    let checkpoints = args.checkpoint || resume || job_restartable();
+    if checkpoints {
+        // Atomic: a checkpoint file is the old one or the complete new one, never half written.
+        training = training.with_file_checkpointer(AtomicRecorder::new(CompactRecorder::new()));
     }
-    if let Some(epoch) = resume_from {
-        if rank == 0 {
-            println!("resuming after the checkpoint of epoch {epoch}");
-        }
-        training = training.checkpoint(epoch);
-    }
+    // Step checkpoints (SIGTERM/SIGINT, --checkpoint-every) and the resume go to the same place
+    // as burn-train's epoch checkpoints.
+    let config = DdpConfig::default()
+        .with_checkpoint_dir(args.artifacts.join("checkpoint"))
+        .with_resume(resume)
+        .with_checkpoint_every(args.checkpoint_every);
 
     let strategy = match job {
         Job::Threads(1) if !args.ddp => {
@@ -387,11 +387,14 @@ fn train<B: AutodiffBackend>(
                 .map_err(|e| e.to_string())?;
             DdpStrategy::with_process_group(device, Arc::new(group))
         }
-    };
+    }
+    .with_config(config);
     let handle = strategy.clone();
-    training
-        .launch_ddp(learner, strategy)
-        .map_err(|e| format!("training failed: {e}"))?;
+    match training.launch_ddp(learner, strategy) {
+        Ok(_) => {}
+        Err(e @ DdpError::Preempted { .. }) => return Err(Failure::Stopped(e.to_string())),
+        Err(e) => return Err(Failure::Other(format!("training failed: {e}"))),
+    }
     let report = handle.report();
     if report.ranks.is_empty() || (rank != 0 && matches!(job, Job::Process(_))) {
         return Ok(());
