@@ -245,6 +245,7 @@ fn layout(kind: ModelKind) -> ReplicaLayout {
     match kind {
         ModelKind::Cnn => ReplicaLayout::of(&fashion_mnist::model::Cnn::<B>::new(&device)),
         ModelKind::Mlp => ReplicaLayout::of(&BigMlp::<B>::new(&device)),
+        ModelKind::MlpFrozen => ReplicaLayout::of(&BigMlp::<B>::new(&device).frozen_half()),
     }
 }
 

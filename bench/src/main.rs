@@ -47,7 +47,8 @@ struct Cli {
     /// Skip the all-reduce and bucket sweeps.
     #[arg(long)]
     skip_collectives: bool,
-    /// Models to train, comma-separated: `cnn`, `mlp` (default: both).
+    /// Models to train, comma-separated: `cnn`, `mlp` (default: both), `mlp-frozen` (the MLP
+    /// with 56% of its parameters frozen).
     #[arg(long, value_delimiter = ',', value_parser = parse_model)]
     models: Vec<ModelKind>,
     /// Strategies, comma-separated: `single`, `multi-device-N`, `threads-N`, `processes-N`
@@ -63,7 +64,7 @@ struct Cli {
 }
 
 fn parse_model(s: &str) -> Result<ModelKind, String> {
-    ModelKind::parse(s).ok_or_else(|| format!("unknown model `{s}` (cnn, mlp)"))
+    ModelKind::parse(s).ok_or_else(|| format!("unknown model `{s}` (cnn, mlp, mlp-frozen)"))
 }
 
 fn parse_strategy(s: &str) -> Result<Strategy, String> {

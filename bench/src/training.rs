@@ -194,6 +194,11 @@ pub fn run(
             let _ = burn_ddp::value_fingerprint(&model);
             run_model(kind, model, strategy, plan, group)
         }
+        ModelKind::MlpFrozen => {
+            let model = BigMlp::<B>::new(&device);
+            let _ = burn_ddp::value_fingerprint(&model);
+            run_model(kind, model.frozen_half(), strategy, plan, group)
+        }
     }
 }
 

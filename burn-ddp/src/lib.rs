@@ -9,7 +9,7 @@
 //!   (`.with_training_strategy(DdpStrategy::new(devices).into())`), with
 //!   [`DdpTraining::launch_ddp`] to get failures as values;
 //! - [`DistributedDataParallel`]: for training loops you write yourself
-//!   (`sync_gradients(grads)` before each optimizer step).
+//!   (`sync_gradients(&model, grads)` before each optimizer step).
 //!
 //! The pieces, in the order a training step uses them (see ARCHITECTURE.md):
 //! [`DistributedSampler`] / [`DistributedDataLoader`] (which samples each rank sees),

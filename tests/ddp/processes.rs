@@ -113,26 +113,38 @@ fn wait_for_file(path: &Path, within: Duration) -> String {
 #[test]
 fn two_and_four_processes_end_with_the_parameters_of_the_same_run_with_threads() {
     let layout = ReplicaLayout::of(&ExampleCnn::<TestBackend>::deterministic(&device(), 11));
-    for n in [2usize, 4] {
+    // 2 ranks with small bucket caps (16 KiB first, 64 KiB after: the CNN's 414 KiB of
+    // gradients in 8 buckets), 4 ranks with the default caps (one bucket).
+    for (n, caps) in [(2usize, Some((16usize << 10, 64usize << 10))), (4, None)] {
         let dir = scratch_dir(&format!("procs-{n}"));
         let out = dir.join("params.bin");
-        let config = worker_config(
-            n,
-            &[
-                "--out",
-                out.to_str().unwrap(),
-                "--steps",
-                "2",
-                "--per-rank-batch",
-                "1",
-            ],
-        );
+        let caps_arg = caps.map(|(first, rest)| format!("{first},{rest}"));
+        let mut args = vec![
+            "--out",
+            out.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--per-rank-batch",
+            "1",
+        ];
+        if let Some(caps) = &caps_arg {
+            args.extend(["--bucket-caps", caps.as_str()]);
+        }
+        let config = worker_config(n, &args);
         let reports = launch(&config).unwrap();
         assert_eq!(reports.len(), 1);
         assert!(reports[0].workers.iter().all(|(_, _, exit)| exit.success()));
         let processes = read_tensors(&out).unwrap();
 
-        let (threads, _) = train_example_cnn(None, n, 2, 1, DdpConfig::default()).unwrap();
+        let mut ddp_config = DdpConfig::default();
+        if let Some((first, rest)) = caps {
+            ddp_config = ddp_config
+                .with_first_bucket_cap_bytes(first)
+                .with_bucket_cap_bytes(rest);
+        }
+        let (threads, report) = train_example_cnn(None, n, 2, 1, ddp_config).unwrap();
+        let buckets = report.unwrap().ranks[0].comm.buckets / 2;
+        assert_eq!(buckets > 1, caps.is_some(), "{buckets} bucket(s) per step");
         assert_eq!(processes.len(), threads.len());
         for (spec, (p, t)) in layout.tensors().iter().zip(processes.iter().zip(&threads)) {
             match spec.kind {

@@ -8,7 +8,7 @@
 //!            [--delay-ms D] [--ready-dir DIR] [--threads N]
 //!            [--checkpoint-dir DIR] [--resume] [--checkpoint-every K]
 //!            [--fail-rank R --fail-at-batch K [--fail-attempt A]]
-//!            [--signal-rank R --signal-at-batch K]
+//!            [--signal-rank R --signal-at-batch K] [--bucket-caps FIRST,REST]
 //! ddp-worker launch N [--stop-grace-s S] -- WORKER ARGS...
 //! ```
 //! `--ready-dir`: after its 2nd batch, each rank writes its pid to DIR/pid-RANK.
@@ -45,6 +45,7 @@ struct Args {
     fail_attempt: u64,
     signal_rank: Option<usize>,
     signal_at_batch: usize,
+    bucket_caps: Option<(usize, usize)>,
 }
 
 fn parse(raw: &[String]) -> Result<Args, String> {
@@ -65,6 +66,7 @@ fn parse(raw: &[String]) -> Result<Args, String> {
         fail_attempt: 0,
         signal_rank: None,
         signal_at_batch: 2,
+        bucket_caps: None,
     };
     let mut it = raw.iter().cloned();
     while let Some(flag) = it.next() {
@@ -87,6 +89,16 @@ fn parse(raw: &[String]) -> Result<Args, String> {
             "--fail-attempt" => args.fail_attempt = number(value()?)?,
             "--signal-rank" => args.signal_rank = Some(number(value()?)? as usize),
             "--signal-at-batch" => args.signal_at_batch = number(value()?)? as usize,
+            "--bucket-caps" => {
+                let caps = value()?;
+                let (first, rest) = caps
+                    .split_once(',')
+                    .ok_or(format!("--bucket-caps FIRST,REST, got {caps}"))?;
+                args.bucket_caps = Some((
+                    number(first.to_string())? as usize,
+                    number(rest.to_string())? as usize,
+                ));
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -215,6 +227,11 @@ fn main() -> ExitCode {
     let mut config = DdpConfig::default()
         .with_timeout(args.timeout)
         .with_checkpoint_every(args.checkpoint_every);
+    if let Some((first, rest)) = args.bucket_caps {
+        config = config
+            .with_first_bucket_cap_bytes(first)
+            .with_bucket_cap_bytes(rest);
+    }
     if args.resume || attempt > 0 {
         config = config.with_resume(true);
     }
