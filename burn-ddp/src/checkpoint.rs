@@ -138,6 +138,11 @@ pub struct DdpState {
     /// The sampler epoch of the next epoch (what `DistributedDataLoader::with_epoch` takes, for a
     /// loader used outside `DdpStrategy`).
     pub next_sampler_epoch: u64,
+    /// Gradient synchronisations since the start of the run, skipped steps included (they number
+    /// the step checkpoints and set the cadence of the consistency check and of
+    /// `with_checkpoint_every`). 0 when read from a state written before this field existed.
+    #[serde(default)]
+    pub synchronisations: u64,
 }
 
 impl DdpState {
@@ -390,9 +395,23 @@ mod tests {
             world_size: 4,
             optimizer_steps: 300,
             next_sampler_epoch: 3,
+            synchronisations: 310,
         };
         state.write(&dir).unwrap();
-        assert_eq!(DdpState::read(&dir, 3).unwrap(), Some(state));
+        assert_eq!(DdpState::read(&dir, 3).unwrap(), Some(state.clone()));
+        // A state written before `synchronisations` existed still reads.
+        std::fs::write(
+            DdpState::path(&dir, 3),
+            r#"{"epoch":3,"world_size":4,"optimizer_steps":300,"next_sampler_epoch":3}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            DdpState::read(&dir, 3).unwrap(),
+            Some(DdpState {
+                synchronisations: 0,
+                ..state
+            })
+        );
         assert_eq!(DdpState::read(&dir, 2).unwrap(), None);
         std::fs::write(DdpState::path(&dir, 2), b"{").unwrap();
         assert!(DdpState::read(&dir, 2).is_err());

@@ -31,7 +31,7 @@ pub const DEFAULT_EPOCH_END_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// assert_eq!(config.bucket_cap_bytes(), 4 * 1024 * 1024);
 /// println!("{config}"); // one line, for start-up logs
 /// ```
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct DdpConfig {
     timeout: Duration,
     epoch_end_timeout: Duration,
@@ -47,6 +47,29 @@ pub struct DdpConfig {
     resume: bool,
     checkpoint_every: u64,
     stop_on_signal: bool,
+    comm_hook: Option<std::sync::Arc<dyn crate::hooks::CommHook>>,
+}
+
+impl PartialEq for DdpConfig {
+    /// Equal settings; hooks compare by [name](crate::hooks::CommHook::name).
+    fn eq(&self, other: &Self) -> bool {
+        let hook = |c: &Self| c.comm_hook.as_ref().map(|h| h.name());
+        self.timeout == other.timeout
+            && self.epoch_end_timeout == other.epoch_end_timeout
+            && self.bucket_cap_bytes == other.bucket_cap_bytes
+            && self.first_bucket_cap_bytes == other.first_bucket_cap_bytes
+            && self.consistency_check_every == other.consistency_check_every
+            && self.non_finite == other.non_finite
+            && self.clip_grad_norm.map(f32::to_bits) == other.clip_grad_norm.map(f32::to_bits)
+            && self.buffer_sync == other.buffer_sync
+            && self.uneven_inputs == other.uneven_inputs
+            && self.checkpoint_dir == other.checkpoint_dir
+            && self.gradient_compression == other.gradient_compression
+            && self.resume == other.resume
+            && self.checkpoint_every == other.checkpoint_every
+            && self.stop_on_signal == other.stop_on_signal
+            && hook(self) == hook(other)
+    }
 }
 
 /// What to do when the gradients of a step hold NaN or infinity (on any rank). The check runs on
@@ -111,6 +134,7 @@ impl Default for DdpConfig {
             resume: false,
             checkpoint_every: 0,
             stop_on_signal: true,
+            comm_hook: None,
         }
     }
 }
@@ -228,6 +252,22 @@ impl DdpConfig {
         self
     }
 
+    /// Reduces the gradient buckets with `hook` instead of the built-in all-reduce (PyTorch's
+    /// `register_comm_hook`; see [`hooks`](crate::hooks)). Every rank must install the same hook
+    /// (its [name](crate::hooks::CommHook::name) is compared at start-up). The NaN/infinity
+    /// check and clipping run on what the hook returns. Hooks reduce host buckets: with NCCL's
+    /// group (CUDA devices) a hook is refused;
+    /// [`with_gradient_compression`](Self::with_gradient_compression) works there too.
+    pub fn with_comm_hook(mut self, hook: std::sync::Arc<dyn crate::hooks::CommHook>) -> Self {
+        self.comm_hook = Some(hook);
+        self
+    }
+
+    /// The communication hook installed with [`with_comm_hook`](Self::with_comm_hook), if any.
+    pub fn comm_hook(&self) -> Option<&std::sync::Arc<dyn crate::hooks::CommHook>> {
+        self.comm_hook.as_ref()
+    }
+
     /// Whether to resume from the newest complete checkpoint.
     pub fn resume(&self) -> bool {
         self.resume
@@ -299,17 +339,23 @@ impl DdpConfig {
     }
 
     /// A hash of the settings that every rank must share (bucket caps, clipping, non-finite
-    /// policy, uneven inputs, buffer sync, gradient compression), compared across ranks at start-up.
+    /// policy, uneven inputs, buffer sync, gradient compression, communication hook, the cadence
+    /// of the consistency check and of step checkpoints), compared
+    /// across ranks at start-up.
     pub fn semantics_fingerprint(&self) -> u64 {
         let text = format!(
-            "{} {} {:?} {:?} {:?} {:?} {:?}",
+            "{} {} {:?} {:?} {:?} {:?} {:?} {:?} {} {}",
             self.bucket_cap_bytes,
             self.first_bucket_cap_bytes,
             self.clip_grad_norm.map(f32::to_bits),
             self.non_finite,
             self.uneven_inputs,
             self.buffer_sync,
-            self.gradient_compression
+            self.gradient_compression,
+            self.comm_hook.as_ref().map(|h| h.name()),
+            // Both run collectives at their cadence.
+            self.consistency_check_every,
+            self.checkpoint_every
         );
         text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
             (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
@@ -320,9 +366,10 @@ impl DdpConfig {
     /// `bf16_compress_hook`, scaled per bucket so that neither large nor tiny gradients are lost:
     /// the result matches the `f32` average within the 16-bit format's rounding, and a bucket the
     /// format cannot hold goes as `f32`, counted and reported (see
-    /// [`reducer::compress`](crate::reducer::compress)). It applies where buckets are reduced in
-    /// device memory (the NCCL group of CUDA devices); the CPU process groups reduce `f32`
-    /// buffers on the host and ignore it. Every rank must use the same setting.
+    /// [`reducer::compress`](crate::reducer::compress)). On every process group: NCCL's reduces
+    /// 16-bit device buckets, the CPU groups run the [`Compress16`](crate::hooks::Compress16)
+    /// hook ([`TcpGroup`](crate::TcpGroup) sends half the bytes). Every rank must use the same
+    /// setting.
     pub fn with_gradient_compression(mut self, compression: GradientCompression) -> Self {
         self.gradient_compression = compression;
         self
@@ -377,6 +424,9 @@ impl fmt::Display for DdpConfig {
             GradientCompression::None => {}
             GradientCompression::Bf16 => f.write_str(", bf16 gradients")?,
             GradientCompression::F16 => f.write_str(", f16 gradients")?,
+        }
+        if let Some(hook) = &self.comm_hook {
+            write!(f, ", communication hook {}", hook.name())?;
         }
         if self.checkpoint_every > 0 {
             write!(f, ", step checkpoint every {} steps", self.checkpoint_every)?;

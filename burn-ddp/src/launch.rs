@@ -265,8 +265,8 @@ fn run_job(config: &LaunchConfig, server: Option<StoreServer>) -> Result<Vec<Att
                 String::new()
             } else {
                 format!(
-                    "; rank(s) {preempted:?} stopped at a step boundary after their checkpoint \
-                     (exit code {})",
+                    "; rank(s) {preempted:?} stopped at a step boundary (exit code {}; rank 0 \
+                     wrote a step checkpoint if the run has a checkpoint directory)",
                     crate::PREEMPTED_EXIT_CODE
                 )
             };

@@ -411,17 +411,21 @@ fn shared_state<B: Backend, M: Module<B>>(module: &M, candidates: &[bool]) -> Ve
 
     /// A marked tensor's shape and value (a `Tensor<B, D>`, boxed: `D` varies).
     type Original = (Vec<usize>, Box<dyn Any + Send>);
-    /// Replaces each candidate by a marker of another shape, keeping the original.
+    /// Replaces each candidate by a marker of another shape, keeping the original. A tensor
+    /// reachable from two places (one id; a `RunningState` shared by two fields) is marked at
+    /// its first place only: marking the second would take the first marker for the original.
     struct Mark<'a> {
         candidates: &'a [bool],
         index: usize,
         originals: Vec<Option<Original>>,
+        seen: std::collections::HashSet<ParamId>,
     }
     impl<B: Backend> ModuleMapper<B> for Mark<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let index = self.index;
             self.index += 1;
-            if !self.candidates.get(index).copied().unwrap_or(false) {
+            if !self.candidates.get(index).copied().unwrap_or(false) || !self.seen.insert(param.id)
+            {
                 self.originals.push(None);
                 return param;
             }
@@ -457,17 +461,23 @@ fn shared_state<B: Backend, M: Module<B>>(module: &M, candidates: &[bool]) -> Ve
             }
         }
     }
-    /// Whether each tensor now has another shape than its original.
+    /// Whether each tensor now has another shape than its original (a tensor marked at an
+    /// earlier place counts for every place of its id).
     struct Changed<'a> {
         shapes: &'a [Option<Vec<usize>>],
         index: usize,
         changed: Vec<bool>,
+        by_id: std::collections::HashMap<ParamId, bool>,
     }
     impl<B: Backend> ModuleVisitor<B> for Changed<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let changed = match self.shapes.get(self.index) {
-                Some(Some(shape)) => param.val().shape().as_slice() != shape.as_slice(),
-                _ => false,
+                Some(Some(shape)) => {
+                    let changed = param.val().shape().as_slice() != shape.as_slice();
+                    self.by_id.insert(param.id, changed);
+                    changed
+                }
+                _ => self.by_id.get(&param.id).copied().unwrap_or(false),
             };
             self.index += 1;
             self.changed.push(changed);
@@ -478,6 +488,7 @@ fn shared_state<B: Backend, M: Module<B>>(module: &M, candidates: &[bool]) -> Ve
         candidates,
         index: 0,
         originals: Vec::new(),
+        seen: std::collections::HashSet::new(),
     };
     let marked = module.clone().map(&mut mark);
     let shapes: Vec<Option<Vec<usize>>> = mark
@@ -489,6 +500,7 @@ fn shared_state<B: Backend, M: Module<B>>(module: &M, candidates: &[bool]) -> Ve
         shapes: &shapes,
         index: 0,
         changed: Vec::new(),
+        by_id: std::collections::HashMap::new(),
     };
     module.visit(&mut changed);
     let _restored = marked.map(&mut Restore {
@@ -1015,6 +1027,50 @@ mod tests {
             .collect();
         assert_eq!(kinds[2..4], [TensorKind::Parameter; 2]);
         assert_eq!(kinds[6..8], [TensorKind::Buffer; 2]);
+    }
+
+    /// One `BatchNorm` reachable from two fields (a clone shares its `RunningState`s).
+    #[derive(Module, Debug)]
+    struct TwoNorms<B: Backend> {
+        first: BatchNorm<B>,
+        second: BatchNorm<B>,
+    }
+
+    #[test]
+    fn running_statistics_shared_by_two_fields_are_probed_intact() {
+        let norm: BatchNorm<B> = BatchNormConfig::new(4).init(&Default::default());
+        let model = TwoNorms {
+            first: norm.clone(),
+            second: norm,
+        };
+        let before = tensor_fingerprints(&model);
+        let layout = ReplicaLayout::of(&model);
+        let kinds: Vec<(&str, TensorKind)> = layout
+            .tensors()
+            .iter()
+            .map(|t| (t.path.as_str(), t.kind))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("first.gamma", TensorKind::Parameter),
+                ("first.beta", TensorKind::Parameter),
+                ("first.running_mean", TensorKind::Buffer),
+                ("first.running_var", TensorKind::Buffer),
+                ("second.gamma", TensorKind::Parameter),
+                ("second.beta", TensorKind::Parameter),
+                ("second.running_mean", TensorKind::Buffer),
+                ("second.running_var", TensorKind::Buffer),
+            ]
+        );
+        // Neither field's statistics were left as a marker (or swapped for another's value).
+        assert_eq!(tensor_fingerprints(&model), before);
+        let shapes: Vec<Vec<usize>> = ReplicaLayout::scan(&model)
+            .tensors()
+            .iter()
+            .map(|t| t.shape.clone())
+            .collect();
+        assert_eq!(shapes, vec![vec![4]; 8]);
     }
 
     struct Trainable;

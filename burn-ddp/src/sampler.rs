@@ -33,7 +33,7 @@ use rand::seq::SliceRandom;
 
 use std::cell::Cell;
 
-use crate::group::chunk_range;
+use crate::partition::chunk_range;
 
 thread_local! {
     static EPOCH: Cell<Option<u64>> = const { Cell::new(None) };

@@ -1,11 +1,13 @@
 //! Stop requests by signal: SIGTERM (what clusters send before they preempt a job), SIGINT
 //! (Ctrl-C) and SIGHUP.
 //!
-//! While something is *armed* (a [`DdpStrategy`](crate::DdpStrategy) run, or the launcher), the
-//! first of these signals is only recorded, so the training can stop at a step boundary and
-//! write a checkpoint (the launcher: stop its workers gracefully); a second signal, or one while
-//! nothing is armed, has its default effect (the process ends). The handlers are installed once
-//! per process with `signal-hook`, on the first arming.
+//! While something is *armed* (a [`DdpStrategy`](crate::DdpStrategy) run, or the launcher), these
+//! signals are only recorded, so the training can stop at a step boundary and write a checkpoint
+//! (the launcher: stop its workers gracefully). SIGTERM and SIGHUP stay recorded however often
+//! they come: a cluster may send SIGTERM to every process of a job and the launcher pass it on
+//! again, and the SIGKILL that follows a grace period is the backstop. A second SIGINT (Ctrl-C
+//! twice) ends the process at once. While nothing is armed, every signal has its default effect.
+//! The handlers are installed once per process with `signal-hook`, on the first arming.
 
 /// The exit code of a process that stopped because of a stop signal, after its checkpoint:
 /// 143, which shells also report for a process ended by SIGTERM (128 + 15). Workers stopped by
@@ -23,8 +25,9 @@ mod imp {
     const SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
     struct State {
-        /// True when a signal must have its default effect: nothing armed, or a signal was
-        /// already received.
+        /// True while nothing is armed: every signal has its default effect.
+        disarmed: Arc<AtomicBool>,
+        /// True when a SIGINT must have its default effect: nothing armed, or one was received.
         terminate: Arc<AtomicBool>,
         /// The last signal received while armed (0: none).
         received: Arc<AtomicUsize>,
@@ -38,26 +41,33 @@ mod imp {
         STATE
             .get_or_init(|| {
                 let state = State {
+                    disarmed: Arc::new(AtomicBool::new(true)),
                     terminate: Arc::new(AtomicBool::new(true)),
                     received: Arc::new(AtomicUsize::new(0)),
                     armed: Mutex::new(0),
                 };
                 for signal in SIGNALS {
-                    // Actions run in registration order: the default effect first (only when
-                    // `terminate` was already set), then note the signal and set `terminate` for
-                    // the next one.
-                    let installed = signal_hook::flag::register_conditional_default(
-                        signal,
-                        state.terminate.clone(),
-                    )
-                    .and_then(|_| {
+                    // Actions run in registration order: the default effect first (when
+                    // nothing is armed, or for a second SIGINT), then note the signal (and, for
+                    // SIGINT, make the next one fatal).
+                    let sigint = signal == libc::SIGINT;
+                    let fatal = if sigint {
+                        state.terminate.clone()
+                    } else {
+                        state.disarmed.clone()
+                    };
+                    let installed = (|| -> std::io::Result<()> {
+                        signal_hook::flag::register_conditional_default(signal, fatal)?;
                         signal_hook::flag::register_usize(
                             signal,
                             state.received.clone(),
                             signal as usize,
-                        )
-                    })
-                    .and_then(|_| signal_hook::flag::register(signal, state.terminate.clone()));
+                        )?;
+                        if sigint {
+                            signal_hook::flag::register(signal, state.terminate.clone())?;
+                        }
+                        Ok(())
+                    })();
                     if let Err(e) = installed {
                         tracing::warn!(
                             "burn-ddp: cannot handle signal {signal}: {e}; it will end the \
@@ -85,6 +95,7 @@ mod imp {
             // A new run: forget a signal an earlier run already acted on.
             state.received.store(0, Ordering::SeqCst);
             state.terminate.store(false, Ordering::SeqCst);
+            state.disarmed.store(false, Ordering::SeqCst);
         }
         *armed += 1;
         Armed { active: true }
@@ -98,6 +109,7 @@ mod imp {
             let mut armed = state.armed.lock().unwrap_or_else(|p| p.into_inner());
             *armed = armed.saturating_sub(1);
             if *armed == 0 {
+                state.disarmed.store(true, Ordering::SeqCst);
                 state.terminate.store(true, Ordering::SeqCst);
             }
         }

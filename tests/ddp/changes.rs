@@ -232,6 +232,62 @@ fn a_layer_added_after_the_wrapper_was_built_is_an_error_on_every_rank_naming_it
     }
 }
 
+/// Widens the hidden layer from 32 to 48 units in place: every dimension of 32 gets 16 zeros more,
+/// the parameters keep their ids (a "net2net" widening). Forward still works.
+struct Widen;
+
+impl<B: Backend> ModuleMapper<B> for Widen {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.map(|mut tensor| {
+            let require_grad = tensor.is_require_grad();
+            for dim in 0..D {
+                let mut shape = tensor.dims();
+                if shape[dim] == 32 {
+                    shape[dim] = 16;
+                    let zeros = Tensor::zeros(shape, &tensor.device());
+                    tensor = Tensor::cat(vec![tensor, zeros], dim);
+                }
+            }
+            // A leaf again, so that it gets a gradient.
+            tensor.detach().set_require_grad(require_grad)
+        })
+    }
+}
+
+#[test]
+fn a_layer_reshaped_on_one_rank_only_is_an_error_on_every_rank_naming_it() {
+    // Same parameter ids, other shapes: the gradient no longer fits its slot in the bucket. The
+    // rank that changed must not fail alone (its peers would see only "aborted"): every rank
+    // gets the same ModelChanged error in the same step.
+    let schedule: Schedule = |rank, step, model| {
+        if step == 2 && rank == 1 {
+            TwoLayers {
+                a: model.a.map(&mut Widen),
+                b: model.b.map(&mut Widen),
+                ..model
+            }
+        } else {
+            model
+        }
+    };
+    let start = TwoLayers::new(&device());
+    for (rank, result) in custom_loop(&start, 2, 4, schedule).into_iter().enumerate() {
+        match result {
+            Err(DdpError::ModelChanged { detail, step, .. }) => {
+                assert_eq!(step, 2, "rank {rank}: the step it happened");
+                // Named as the rank that changed it has it, on every rank.
+                assert!(detail.contains("rank(s) [1]"), "rank {rank}: {detail}");
+                assert!(
+                    detail
+                        .contains("`a.weight` of shape [16, 32], now `a.weight` of shape [16, 48]"),
+                    "rank {rank}: {detail}"
+                );
+            }
+            other => panic!("rank {rank}: expected ModelChanged, got {other:?}"),
+        }
+    }
+}
+
 /// An MLP whose two layers share one weight (the same `Param`, reachable from two fields): the
 /// second layer reads the first layer's weight. Burn's optimizer updates it once per step.
 #[derive(Module, Debug)]

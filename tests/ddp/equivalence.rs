@@ -136,6 +136,25 @@ fn gradient_accumulation_syncs_once_per_optimizer_step() {
 }
 
 #[test]
+fn a_partial_accumulation_at_the_end_of_an_epoch_is_dropped_as_on_one_device() {
+    // 21 batches per epoch accumulated by 2: the 21st micro-batch starts no optimizer step, and
+    // burn-train drops it at the end of the epoch; the next epoch must start a fresh step (not
+    // finish the old one with its first batch).
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let mut run = Run::new(None, 32, 21 * 32);
+    run.epochs = 2;
+    run.grad_accumulation = Some(2);
+    let (single, _) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    run.replicas = Some(2);
+    let (ddp, report) = run_training(model, SgdConfig::new().init(), 0.1, &run).unwrap();
+    assert_trained_and_equal(&initial, &single, &ddp);
+    let report = report.unwrap();
+    let steps: Vec<u64> = report.epochs.iter().map(|e| e.steps).collect();
+    assert_eq!(steps, vec![10, 10], "optimizer steps per epoch");
+}
+
+#[test]
 fn an_interrupt_on_one_rank_stops_every_rank_at_the_same_step() {
     use burn_ddp_tests::Interrupting;
     let model = materialized(Interrupting::new(&device()));

@@ -18,7 +18,7 @@
 //! - a failed collective aborts the group: every later call on any rank fails at once with
 //!   [`DdpError::Aborted`](crate::DdpError::Aborted), so one failure ends the whole job quickly;
 //! - all-reduce results are bit-identical on every rank: the buffer is split into `world_size`
-//!   chunks ([`chunk_range`]) and chunk `c` is summed in the fixed order `c, c+1, ..., c-1`
+//!   contiguous chunks (sizes differing by at most one) and chunk `c` is summed in the fixed order `c, c+1, ..., c-1`
 //!   (ranks mod N, the order of a ring all-reduce), independent of timing. All CPU groups use this
 //!   order, so threads and processes give the same bits.
 //!
@@ -31,7 +31,7 @@ mod thread;
 use std::fmt;
 use std::time::Duration;
 
-pub use tcp::{TcpGroup, TcpGroupOptions};
+pub use tcp::{SOCKET_IFNAME_VAR, TcpGroup, TcpGroupOptions};
 pub use thread::ThreadGroup;
 
 use crate::Result;
@@ -83,6 +83,51 @@ pub enum Collective {
         /// Number of `u64` values contributed by each rank.
         len: usize,
     },
+    /// In-place all-reduce of `len` 16-bit floats.
+    AllReduceHalf {
+        /// The reduction.
+        op: ReduceOp,
+        /// Number of 16-bit elements.
+        len: usize,
+        /// Their format.
+        format: HalfFloat,
+    },
+}
+
+/// A 16-bit floating-point format of [`ProcessGroup::all_reduce_half`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HalfFloat {
+    /// bfloat16: `f32`'s range, 8 bits of significand.
+    Bf16,
+    /// IEEE binary16: 11 bits of significand, up to 65,504.
+    F16,
+}
+
+impl HalfFloat {
+    /// The value of `bits` in this format, as `f32` (exact).
+    pub fn to_f32(self, bits: u16) -> f32 {
+        match self {
+            HalfFloat::Bf16 => half::bf16::from_bits(bits).to_f32(),
+            HalfFloat::F16 => half::f16::from_bits(bits).to_f32(),
+        }
+    }
+
+    /// `value` rounded to this format (to nearest, ties to even), as its bits.
+    pub fn from_f32(self, value: f32) -> u16 {
+        match self {
+            HalfFloat::Bf16 => half::bf16::from_f32(value).to_bits(),
+            HalfFloat::F16 => half::f16::from_f32(value).to_bits(),
+        }
+    }
+}
+
+impl fmt::Display for HalfFloat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HalfFloat::Bf16 => "bf16",
+            HalfFloat::F16 => "f16",
+        })
+    }
 }
 
 impl Collective {
@@ -93,6 +138,7 @@ impl Collective {
             Collective::Broadcast { .. } => "broadcast",
             Collective::Barrier => "barrier",
             Collective::AllGather { .. } => "all_gather",
+            Collective::AllReduceHalf { .. } => "all_reduce_half",
         }
     }
 }
@@ -106,6 +152,9 @@ impl fmt::Display for Collective {
             }
             Collective::Barrier => f.write_str("barrier"),
             Collective::AllGather { len } => write!(f, "all_gather({len} u64)"),
+            Collective::AllReduceHalf { op, len, format } => {
+                write!(f, "all_reduce_half({op}, {len} {format})")
+            }
         }
     }
 }
@@ -135,6 +184,30 @@ pub trait ProcessGroup: Send + Sync {
     /// called different collectives or lengths, [`Aborted`](crate::DdpError::Aborted) after an
     /// earlier failure.
     fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()>;
+
+    /// Reduces `bucket`, 16-bit floats in `format` (their bits), across ranks in place: every
+    /// rank gets the element-wise sum (or average) of all ranks' values, rounded to `format`,
+    /// bit-identical on every rank. For gradient compression: a group that moves bytes sends half
+    /// of them. The default widens to `f32`, runs [`all_reduce`](ProcessGroup::all_reduce) and
+    /// rounds once (no saving on the wire); [`TcpGroup`] sends the 16-bit values, adding in
+    /// `f32` and rounding at every hop.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](ProcessGroup::all_reduce).
+    fn all_reduce_half(
+        &self,
+        bucket: &mut [u16],
+        format: HalfFloat,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let mut wide: Vec<f32> = bucket.iter().map(|&bits| format.to_f32(bits)).collect();
+        self.all_reduce(&mut wide, op, timeout)?;
+        for (bits, value) in bucket.iter_mut().zip(wide) {
+            *bits = format.from_f32(value);
+        }
+        Ok(())
+    }
 
     /// Copies `root`'s `buffer` into every other rank's `buffer` (same length on every rank).
     ///
@@ -199,34 +272,9 @@ pub trait ProcessGroup: Send + Sync {
     }
 }
 
-/// Splits `len` elements into `parts` contiguous chunks whose sizes differ by at most one; returns
-/// the half-open range of chunk `index`. All-reduces share the work by these chunks.
-pub fn chunk_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
-    let base = len / parts;
-    let extra = len % parts;
-    let start = index * base + index.min(extra);
-    let size = base + usize::from(index < extra);
-    start..start + size
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn chunks_cover_the_buffer_without_overlap() {
-        for len in [0usize, 1, 5, 16, 17, 1000] {
-            for parts in 1..6 {
-                let mut next = 0;
-                for index in 0..parts {
-                    let range = chunk_range(len, parts, index);
-                    assert_eq!(range.start, next, "len {len} parts {parts} index {index}");
-                    next = range.end;
-                }
-                assert_eq!(next, len);
-            }
-        }
-    }
 
     #[test]
     fn collective_display_names_arguments() {

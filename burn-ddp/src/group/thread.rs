@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Collective, ProcessGroup, ReduceOp, chunk_range};
+use super::{Collective, ProcessGroup, ReduceOp};
+use crate::partition::chunk_range;
 use crate::{DdpError, Result};
 
 /// One rank of a process group whose ranks are threads of the same process.

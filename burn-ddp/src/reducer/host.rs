@@ -1,6 +1,7 @@
 //! Host buckets, for the CPU process groups: each bucket's gradients are copied into one
-//! contiguous `f32` buffer (then one presence flag per parameter, then, in the first bucket, the
-//! step's control words), all-reduced, and copied back into each gradient's own storage.
+//! contiguous `f32` buffer, the first bucket also carrying the step's bookkeeping (one presence
+//! flag per parameter of every bucket, then the control words); the buckets are reduced by the
+//! [communication hook](crate::hooks) and copied back into each gradient's own storage.
 //!
 //! The buffers live as long as the reducer (PyTorch keeps its bucket tensors too): a fresh
 //! bucket-sized allocation every step is returned to the system and faulted in again, which cost
@@ -14,14 +15,15 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::checks::{Observed, observe_host};
-use super::layout::{BucketLayout, ELEMENT_BYTES};
+use super::layout::BucketLayout;
 use super::{Control, Gradients, ReduceOptions, Reducer, register_shaped};
+use crate::hooks::{HookReport, HostBucket};
 use crate::replica::TensorSpec;
 use crate::{DdpError, Result};
 
-/// One phase's buckets after the all-reduce.
+/// One phase's buckets after the reduction.
 pub(super) struct HostPhase {
-    /// Per bucket: reduced values, then flags, then (first bucket) control words.
+    /// Per bucket: reduced values; the first bucket then holds the flags and control words.
     pub buffers: Vec<Vec<f32>>,
     /// Per bucket and parameter: this rank's gradient storage, refilled with the reduced values.
     datas: Vec<Vec<Option<TensorData>>>,
@@ -29,9 +31,31 @@ pub(super) struct HostPhase {
     pub local_non_finite: bool,
 }
 
+/// Where the bookkeeping of a phase sits in its first bucket's buffer.
+struct Tail {
+    /// Index of the first presence flag (the first bucket's gradient count).
+    flags: usize,
+    /// Number of flags (parameters of every bucket).
+    count: usize,
+}
+
+impl Tail {
+    fn of(layout: &BucketLayout) -> Self {
+        Self {
+            flags: layout.buckets().first().map_or(0, |b| b.numel),
+            count: layout.buckets().iter().map(|b| b.params.len()).sum(),
+        }
+    }
+
+    fn control(&self) -> usize {
+        self.flags + self.count
+    }
+}
+
 impl Reducer {
-    /// All-reduces `taken` (per bucket of `layout`, per parameter: this rank's flat gradient) in
-    /// host buffers, reusing `buffers` when their sizes fit. `control` goes into the first bucket.
+    /// Reduces `taken` (per bucket of `layout`, per parameter: this rank's flat gradient) in
+    /// host buckets with the reducer's hook, reusing `buffers` when their sizes fit. `control`
+    /// goes into the first bucket, after the flags.
     pub(super) fn reduce_host<B: Backend>(
         &mut self,
         layout: &BucketLayout,
@@ -41,25 +65,27 @@ impl Reducer {
         control: Option<Control>,
         options: &ReduceOptions,
     ) -> Result<HostPhase> {
+        let started = Instant::now();
+        let tail = Tail::of(layout);
+        let control_len = control.map_or(0, |c| c.len());
         let sizes: Vec<usize> = layout
             .buckets()
             .iter()
             .enumerate()
-            .map(|(i, b)| b.numel + b.params.len() + control_len(i, control))
+            .map(|(i, b)| b.numel + if i == 0 { tail.count + control_len } else { 0 })
             .collect();
         if buffers.len() != sizes.len() || buffers.iter().zip(&sizes).any(|(b, &s)| b.len() != s) {
             buffers = sizes.iter().map(|&s| vec![0.0; s]).collect();
         }
         let mut local_non_finite = false;
         let mut datas = Vec::with_capacity(sizes.len());
+        let mut flag = tail.flags;
         for (bucket_index, (bucket, grads)) in layout.buckets().iter().zip(taken).enumerate() {
-            let started = Instant::now();
-            let buffer = &mut buffers[bucket_index];
             let mut bucket_datas = Vec::with_capacity(bucket.params.len());
             for (j, (&p, grad)) in bucket.params.iter().zip(grads).enumerate() {
                 let spec = &specs[p];
                 let range = bucket.offsets[j]..bucket.offsets[j] + spec.numel();
-                let data = match grad {
+                let (present, data) = match grad {
                     Some(grad) => {
                         let data = grad.into_data().convert::<f32>();
                         let values = data.as_slice::<f32>().map_err(|e| {
@@ -82,37 +108,58 @@ impl Reducer {
                                 ),
                             ));
                         }
-                        buffer[range].copy_from_slice(values);
-                        buffer[bucket.numel + j] = 1.0;
-                        Some(data)
+                        buffers[bucket_index][range].copy_from_slice(values);
+                        (1.0, Some(data))
                     }
                     None => {
-                        buffer[range].fill(0.0);
-                        buffer[bucket.numel + j] = 0.0;
-                        None
+                        buffers[bucket_index][range].fill(0.0);
+                        (0.0, None)
                     }
                 };
+                buffers[0][flag] = present;
+                flag += 1;
                 bucket_datas.push(data);
             }
-            if let (0, Some(control)) = (bucket_index, control) {
-                let at = bucket.numel + bucket.params.len();
-                buffer[at..at + control.len()].copy_from_slice(&control.words());
-            }
-            let flattened = Instant::now();
-            let values = &mut buffer[..bucket.numel];
+            let values = &mut buffers[bucket_index][..bucket.numel];
             if options.check_finite {
                 local_non_finite |= values.iter().any(|v| !v.is_finite());
             }
             if options.weight != 1.0 {
                 values.iter_mut().for_each(|v| *v *= options.weight);
             }
-            self.group.all_reduce(buffer, options.op, self.timeout)?;
-            self.stats.flatten += flattened - started;
-            self.stats.all_reduce += flattened.elapsed();
-            self.stats.buckets += 1;
-            self.stats.bytes += buffer.len() * ELEMENT_BYTES;
             datas.push(bucket_datas);
         }
+        if let Some(control) = control {
+            let at = tail.control();
+            buffers[0][at..at + control_len].copy_from_slice(&control.words());
+        }
+        let flattened = Instant::now();
+        let mut report = HookReport::default();
+        {
+            let mut buckets: Vec<HostBucket<'_>> = buffers
+                .iter_mut()
+                .zip(layout.buckets())
+                .enumerate()
+                .map(|(index, (buffer, bucket))| HostBucket {
+                    index,
+                    buffer,
+                    gradients: bucket.numel,
+                })
+                .collect();
+            let hook = self.hook.clone();
+            hook.reduce(
+                self.group.as_ref(),
+                &mut buckets,
+                options.op,
+                self.timeout,
+                &mut report,
+            )?;
+        }
+        self.stats.flatten += flattened - started;
+        self.stats.all_reduce += flattened.elapsed();
+        self.stats.buckets += layout.buckets().len() as u64;
+        self.stats.bytes += report.bytes;
+        self.stats.uncompressed_buckets += report.uncompressed_buckets;
         Ok(HostPhase {
             buffers,
             datas,
@@ -121,19 +168,10 @@ impl Reducer {
     }
 }
 
-/// Control words in bucket `index` of a phase that carries `control`.
-fn control_len(index: usize, control: Option<Control>) -> usize {
-    match (index, control) {
-        (0, Some(control)) => control.len(),
-        _ => 0,
-    }
-}
-
 impl HostPhase {
-    /// The reduced control words of the phase's first bucket.
+    /// The reduced control words.
     pub fn control(&self, layout: &BucketLayout) -> Option<Control> {
-        let bucket = layout.buckets().first()?;
-        let at = bucket.numel + bucket.params.len();
+        let at = Tail::of(layout).control();
         Control::from_words(self.buffers.first()?.get(at..)?)
     }
 
@@ -150,7 +188,7 @@ impl HostPhase {
     }
 
     /// Writes the reduced gradients (times `scale`) into `grads`, leaving out the parameters no
-    /// rank had a gradient for.
+    /// rank had a gradient for. Returns the buffers, for the next step.
     pub fn unflatten<B: Backend>(
         self,
         layout: &BucketLayout,
@@ -160,11 +198,18 @@ impl HostPhase {
         device: &B::Device,
         rank: usize,
     ) -> Result<Vec<Vec<f32>>> {
+        let tail = Tail::of(layout);
+        let flags: Vec<f32> = self
+            .buffers
+            .first()
+            .map(|b| b[tail.flags..tail.flags + tail.count].to_vec())
+            .unwrap_or_default();
+        let mut flags = flags.into_iter();
         let buckets = layout.buckets().iter().zip(&self.buffers).zip(self.datas);
         for (bucket_index, ((bucket, buffer), datas)) in buckets.enumerate() {
             for ((j, &p), data) in bucket.params.iter().enumerate().zip(datas) {
-                // The flag's all-reduce: positive when any rank had a gradient.
-                if buffer[bucket.numel + j] <= 0.0 {
+                // The flag's reduction: positive when any rank had a gradient.
+                if flags.next().is_none_or(|f| f <= 0.0) {
                     continue;
                 }
                 let spec = &specs[p];

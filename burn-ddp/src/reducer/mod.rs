@@ -41,7 +41,7 @@ pub mod layout;
 pub use compress::GradientCompression;
 pub use layout::{Bucket, BucketLayout};
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::group::{ProcessGroup, ReduceOp};
+use crate::hooks::CommHook;
 use crate::metrics::CommStats;
 use crate::replica::{LayoutFingerprints, ReplicaLayout, ReplicaView, TensorSpec};
 use crate::{DdpConfig, DdpError, Result};
@@ -133,8 +134,10 @@ pub struct Reducer {
     /// One host buffer per bucket (gradients, presence flags, control words), allocated at the
     /// first multi-rank step and reused: `4 * (numel + params)` bytes each, plus the control words.
     buffers: Vec<Vec<f32>>,
-    /// Buckets whose compression fallback was already reported.
+    /// Buckets whose compression fallback was already reported (device buckets).
     warned: BTreeSet<usize>,
+    /// How host buckets are reduced.
+    hook: Arc<dyn CommHook>,
 }
 
 impl Reducer {
@@ -150,6 +153,10 @@ impl Reducer {
         config: &DdpConfig,
     ) -> Result<Self> {
         config.validate()?;
+        // Every rank has the same configuration and kind of group, so every rank fails here
+        // alike; the abort covers a peer that does not.
+        let hook = crate::hooks::for_config(config, group.as_ref())
+            .inspect_err(|e| group.abort(&e.to_string()))?;
         replica.verify_across(group.as_ref(), config.timeout())?;
         let params = trainable(replica);
         let layout = BucketLayout::at_least_one(
@@ -170,6 +177,7 @@ impl Reducer {
             layout,
             buffers: Vec::new(),
             warned: BTreeSet::new(),
+            hook,
         })
     }
 
@@ -257,14 +265,21 @@ impl Reducer {
             if structure_changed {
                 return Err(self.structure_error(step, replica, 0)?);
             }
-            if let Some(proposed) = proposed {
-                self.adopt(proposed, seen, step);
-            }
-            let known = self
+            // As on several ranks: the gradients of the agreed trainable tensors and of those
+            // trainable since (a tensor frozen after the backward pass still has its gradient).
+            let mut known = self
                 .params
                 .iter()
                 .filter(|spec| has_gradient::<B>(&grads, spec))
                 .count();
+            if let Some(proposed) = proposed {
+                let before: HashSet<usize> = self.params.iter().map(|p| p.index).collect();
+                known += trainable(&proposed)
+                    .iter()
+                    .filter(|spec| !before.contains(&spec.index) && has_gradient::<B>(&grads, spec))
+                    .count();
+                self.adopt(proposed, seen, step);
+            }
             if known != grads.len() {
                 return Err(self.structure_error(step, replica, grads.len() - known)?);
             }
@@ -313,7 +328,18 @@ impl Reducer {
         options: &ReduceOptions,
     ) -> Result<(ReduceOutcome, Option<ReplicaLayout>)> {
         let rank = self.group.rank();
-        let taken = self.take::<B>(&mut grads, params, layout)?;
+        let taken = if changes.structure_changed {
+            // This rank's tensors no longer match the agreed layout (a gradient may not even fit
+            // its slot): contribute nothing, and let the structure word bring every rank to the
+            // same `ModelChanged` error below.
+            layout
+                .buckets()
+                .iter()
+                .map(|b| b.params.iter().map(|_| None).collect())
+                .collect()
+        } else {
+            self.take::<B>(&mut grads, params, layout)?
+        };
         // This rank's gradients of the tensors it made trainable since the agreed layout.
         let mut extra: HashMap<usize, Option<Tensor<B, 1>>> = HashMap::new();
         if let Some(proposed) = &changes.proposed {
@@ -589,11 +615,17 @@ impl Reducer {
         let rank = self.group.rank();
         let now = replica.scan();
         let mine = first_difference(&self.agreed, &now);
+        // Each rank describes its own change: only the rank that changed knows its new tensors.
+        let described = mine
+            .map(|index| describe_change(&self.agreed, &now, index))
+            .unwrap_or_default();
         let words = [mine.map_or(0, |i| i as u64 + 1), unknown as u64];
-        let all = if self.group.world_size() == 1 {
-            words.to_vec()
+        let (all, descriptions) = if self.group.world_size() == 1 {
+            (words.to_vec(), vec![described])
         } else {
-            self.group.all_gather(&words, self.timeout)?
+            let all = self.group.all_gather(&words, self.timeout)?;
+            let descriptions = gather_text(self.group.as_ref(), &described, self.timeout)?;
+            (all, descriptions)
         };
         let reports: Vec<(usize, Option<usize>, usize)> = all
             .chunks(2)
@@ -609,12 +641,12 @@ impl Reducer {
             .iter()
             .find_map(|(r, first, _)| first.map(|i| (*r, i)))
         {
-            Some((who, index)) => format!(
+            Some((who, _)) => format!(
                 "rank(s) {changed:?} changed the model's tensors since the process group was set \
                  up: {} (first seen on rank {who}); layers must not be added, removed or \
                  replaced during data-parallel training (build a new DistributedDataParallel, or \
                  start a new run, after changing the model)",
-                describe_change(&self.agreed, &now, index)
+                descriptions.get(who).map_or("?", String::as_str)
             ),
             None => {
                 let (who, _, count) = reports
@@ -725,6 +757,33 @@ fn first_difference(agreed: &ReplicaLayout, now: &ReplicaLayout) -> Option<usize
         }
         _ => true,
     })
+}
+
+/// Every rank's `text` (UTF-8, at most a few KiB), in rank order: two all-gathers (the lengths,
+/// then the bytes padded to the longest).
+fn gather_text(group: &dyn ProcessGroup, text: &str, timeout: Duration) -> Result<Vec<String>> {
+    let lengths = group.all_gather(&[text.len() as u64], timeout)?;
+    let longest = lengths.iter().copied().max().unwrap_or(0) as usize;
+    let words = longest.div_ceil(8);
+    let mut mine = vec![0u64; words];
+    for (i, byte) in text.bytes().enumerate() {
+        mine[i / 8] |= u64::from(byte) << (8 * (i % 8));
+    }
+    let all = if words == 0 {
+        vec![0; 0]
+    } else {
+        group.all_gather(&mine, timeout)?
+    };
+    Ok(lengths
+        .iter()
+        .enumerate()
+        .map(|(rank, &len)| {
+            let bytes: Vec<u8> = (0..len as usize)
+                .map(|i| (all[rank * words + i / 8] >> (8 * (i % 8))) as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .collect())
 }
 
 /// "tensor #4 `extra.weight` appeared", as this rank's model has it.

@@ -62,6 +62,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
 
         for epoch in self.epochs.clone() {
             let epoch_start = Instant::now();
+            policy.start_epoch();
             let progress_global = Progress::new(epoch, *self.epochs.end());
             let dataloader = self.dataloader.clone();
             // burn-train's epoch k is sampler epoch k - 1: a resumed run gets the order the
@@ -276,6 +277,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                             world_size,
                             optimizer_steps: counters.optimizer_steps,
                             next_sampler_epoch: epoch as u64,
+                            synchronisations: counters.synchronisations,
                         }
                         .write(dir)?;
                     }
@@ -302,11 +304,14 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 .filter(|(_, v)| v[1] != 0)
                 .map(|(r, v)| (r, v[1] as i32))
                 .collect();
-            if !signalled.is_empty() && epoch < *self.epochs.end() && !interrupted {
+            let stopping = votes.chunks(2).any(|v| v[0] != 0);
+            if !signalled.is_empty() && epoch < *self.epochs.end() && !interrupted && !stopping {
                 // The epoch is complete: the next run starts with the next one.
                 return Err(self.stop_for_signal(epoch + 1, 0, &counters, signalled));
             }
-            if votes.chunks(2).any(|v| v[0] != 0) {
+            if stopping {
+                // Early stopping (or the interrupter) ends the run here anyway: it finishes
+                // normally even if a stop signal came in too, as after the last epoch.
                 break;
             }
         }

@@ -90,6 +90,12 @@ impl StepPolicy {
         })
     }
 
+    /// A new epoch: micro-batches left over from the last one were dropped (as burn-train
+    /// drops them), so the next batch starts an optimizer step.
+    pub fn start_epoch(&mut self) {
+        self.micro_batches = 0;
+    }
+
     /// Whether ranks may run out of batches at different steps (join mode).
     pub fn join(&self) -> bool {
         self.join
@@ -257,6 +263,9 @@ mod tests {
         );
         assert_eq!(steps, vec![false, false, true, false, false, true, false]);
         assert!(!policy.at_step_boundary());
+        // A new epoch drops the leftover micro-batch: the next batch starts a step.
+        policy.start_epoch();
+        assert!(policy.at_step_boundary());
         let policy =
             StepPolicy::new(&DdpConfig::default().with_non_finite(NonFinite::Error), 1).unwrap();
         assert_eq!(policy.on_non_finite(), OnNonFinite::Fail);

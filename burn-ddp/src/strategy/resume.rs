@@ -124,22 +124,27 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
                     .ok_or_else(|| "no file checkpointer".to_string())
                     .and_then(|c| quietly(|| c.load_checkpoint(learner.clone(), device, *epoch))),
                 Candidate::Step(state) => {
-                    if state.world_size != world_size {
-                        return Err(DdpError::Checkpoint {
-                            path: StepState::path(dir, state.number).display().to_string(),
-                            detail: format!(
-                                "the newest checkpoint was taken at batch {} of epoch {} by a job \
-                                 of world size {}, this job has {world_size}: the batches of a \
-                                 partly trained epoch do not carry over to another world size; \
-                                 resume with {} ranks, or remove ddp-step-*.json to resume \
-                                 from the last epoch checkpoint",
-                                state.batches, state.epoch, state.world_size, state.world_size
-                            ),
-                        });
-                    }
                     StepCheckpoints::<LC>::new(dir).load(learner.clone(), device, state.number)
                 }
             };
+            if let (Ok(_), Candidate::Step(state)) = (&loaded, &candidate)
+                && state.world_size != world_size
+                && state.batches > 0
+            {
+                // Only a checkpoint that would be used is refused: a truncated one is passed
+                // over like any other, and one at an epoch's first batch re-shards.
+                return Err(DdpError::Checkpoint {
+                    path: StepState::path(dir, state.number).display().to_string(),
+                    detail: format!(
+                        "the newest checkpoint was taken at batch {} of epoch {} by a job of \
+                         world size {}, this job has {world_size}: the batches of a partly \
+                         trained epoch do not carry over to another world size; resume with {} \
+                         ranks, or remove ddp-step-*.json to resume from the last epoch \
+                         checkpoint",
+                        state.batches, state.epoch, state.world_size, state.world_size
+                    ),
+                });
+            }
             match loaded {
                 Ok(loaded) => {
                     loaded_learner = Some(loaded);
@@ -187,6 +192,7 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
         match DdpState::read(dir, finished) {
             Ok(Some(state)) => {
                 resume.optimizer_steps = state.optimizer_steps;
+                resume.synchronisations = resume.synchronisations.max(state.synchronisations);
                 if state.world_size != world_size && rank == 0 {
                     tracing::warn!(
                         "burn-ddp: resuming after epoch {finished}, written by a job of world size \

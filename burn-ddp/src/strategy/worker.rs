@@ -314,7 +314,7 @@ pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
             if world_size == 1 {
                 loader.to_device(device)
             } else if join {
-                let range = crate::group::chunk_range(items, world_size, rank);
+                let range = crate::partition::chunk_range(items, world_size, rank);
                 loader.slice(range.start, range.end).to_device(device)
             } else {
                 loader
