@@ -21,8 +21,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn_ddp::launch::{LaunchConfig, launch};
-use burn_ddp::{ProcessGroup, TcpGroup, TcpGroupOptions};
+use burn_ddp::advanced::launch::{LaunchConfig, launch};
+use burn_ddp::group::TcpGroupOptions;
+use burn_ddp::{ProcessGroup, TcpGroup};
 use clap::{Parser, Subcommand};
 
 use crate::collectives::GroupKind;

@@ -136,9 +136,9 @@ impl Results {
         );
         let _ = writeln!(
             md,
-            "| model | strategy | N | samples/s | vs 1 device | efficiency / overhead | step split ms (compute / flatten / all-reduce / unflatten / agreement / optimizer) |"
+            "| model | strategy | N | samples/s | vs 1 device | efficiency / overhead | step split ms (compute / flatten / all-reduce / unflatten / agreement / optimizer) | collectives per step |"
         );
-        let _ = writeln!(md, "| --- | --- | --- | --- | --- | --- | --- |");
+        let _ = writeln!(md, "| --- | --- | --- | --- | --- | --- | --- | --- |");
         for t in &self.throughput {
             let base = self.single(t.model);
             let n = t.strategy.world_size();
@@ -173,21 +173,27 @@ impl Results {
                     s.optimizer_ms
                 )
             });
+            let collectives = t
+                .split
+                .as_ref()
+                .and_then(|s| s.collectives_per_step)
+                .map_or("-".into(), |c| format!("{c:.2}"));
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {:.1} | {} | {} | {} |",
+                "| {} | {} | {} | {:.1} | {} | {} | {} | {} |",
                 t.model.name(),
                 t.strategy.family(),
                 n,
                 t.samples_per_second,
                 speedup,
                 efficiency,
-                split
+                split,
+                collectives
             );
         }
         let _ = writeln!(
             md,
-            "| both | Burn `ExecutionStrategy::ddp` | - | - | - | skipped: needs Burn's `distributed` feature, whose `DistributedBackend` the CPU backends lack (CUDA only) | - |\n"
+            "| both | Burn `ExecutionStrategy::ddp` | - | - | - | skipped: needs Burn's `distributed` feature, whose `DistributedBackend` the CPU backends lack (CUDA only) | - | - |\n"
         );
 
         let _ = writeln!(md, "## All-reduce (2 ranks, average)\n");

@@ -96,6 +96,10 @@ pub struct StepSplit {
     pub agreement_ms: f64,
     /// Optimizer step.
     pub optimizer_ms: f64,
+    /// Collectives issued per step (`RankReport::collectives_per_step`); absent in results of
+    /// versions that did not count them.
+    #[serde(default)]
+    pub collectives_per_step: Option<f64>,
 }
 
 /// One run's result.
@@ -186,17 +190,17 @@ pub fn run(
     match kind {
         ModelKind::Cnn => {
             let model = fashion_mnist::model::Cnn::<B>::new(&device);
-            let _ = burn_ddp::value_fingerprint(&model);
+            let _ = burn_ddp::advanced::value_fingerprint(&model);
             run_model(kind, model, strategy, plan, group)
         }
         ModelKind::Mlp => {
             let model = BigMlp::<B>::new(&device);
-            let _ = burn_ddp::value_fingerprint(&model);
+            let _ = burn_ddp::advanced::value_fingerprint(&model);
             run_model(kind, model, strategy, plan, group)
         }
         ModelKind::MlpFrozen => {
             let model = BigMlp::<B>::new(&device);
-            let _ = burn_ddp::value_fingerprint(&model);
+            let _ = burn_ddp::advanced::value_fingerprint(&model);
             run_model(kind, model.frozen_half(), strategy, plan, group)
         }
     }
@@ -297,6 +301,7 @@ where
             unflatten_ms: ms(rank.comm.unflatten),
             agreement_ms: ms(rank.coordination),
             optimizer_ms: ms(rank.optimizer),
+            collectives_per_step: Some(rank.collectives_per_step()),
         }
     });
     Throughput {

@@ -13,7 +13,7 @@
 //! What resuming restores: burn-train's checkpoint (model, optimizer, LR scheduler) through
 //! `SupervisedTraining::checkpoint(epoch)`; the data order follows, because under
 //! [`DdpStrategy`](crate::DdpStrategy) the [`DistributedDataLoader`](crate::DistributedDataLoader)
-//! takes its epoch from burn-train's (see [`enter_epoch`](crate::sampler::enter_epoch)). A
+//! takes its epoch from burn-train's (the strategy sets it before every epoch). A
 //! resumed run then trains exactly as the uninterrupted run would have (tested bit for bit).
 
 use std::path::{Path, PathBuf};

@@ -1,10 +1,11 @@
-//! [`DdpConfig`]: the knobs of data-parallel training, with the defaults PyTorch DDP users expect.
+//! [`DdpConfig`]: the knobs of data-parallel training, with the defaults PyTorch DDP users expect,
+//! and the types of its settings.
 
 use std::fmt;
 use std::time::Duration;
 
 use crate::group::DEFAULT_TIMEOUT;
-use crate::reducer::GradientCompression;
+pub use crate::reducer::GradientCompression;
 use crate::{DdpError, Result};
 
 /// Size cap of a gradient bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.
@@ -170,7 +171,7 @@ impl DdpConfig {
     /// Checks every `steps` optimizer steps that all replicas hold bit-identical parameters and
     /// buffers (one all-gather of one `u64`, plus hashing the model's values on the host); 0, the
     /// default, never checks. A failed check is a
-    /// [`DdpError::ReplicasDiverged`](crate::DdpError::ReplicasDiverged) naming the first
+    /// [`DdpError::ReplicasDiverged`] naming the first
     /// differing tensor and ranks.
     pub fn with_consistency_check_every(mut self, steps: u64) -> Self {
         self.consistency_check_every = steps;
@@ -342,7 +343,7 @@ impl DdpConfig {
     /// policy, uneven inputs, buffer sync, gradient compression, communication hook, the cadence
     /// of the consistency check and of step checkpoints), compared
     /// across ranks at start-up.
-    pub fn semantics_fingerprint(&self) -> u64 {
+    pub(crate) fn semantics_fingerprint(&self) -> u64 {
         let text = format!(
             "{} {} {:?} {:?} {:?} {:?} {:?} {:?} {} {}",
             self.bucket_cap_bytes,

@@ -1,7 +1,7 @@
 //! Communication hooks: how a step's gradient buckets are reduced across the ranks, the seam
 //! PyTorch DDP opens with `register_comm_hook`.
 //!
-//! The [`Reducer`](crate::Reducer) flattens a step's gradients into host buckets and
+//! The [`Reducer`](crate::advanced::Reducer) flattens a step's gradients into host buckets and
 //! hands them all to a [`CommHook`], which must leave every rank with the same reduced values;
 //! then the reducer's own steps follow whatever the hook did: the NaN/infinity check and
 //! clipping by the global norm, from the reduced values. Two hooks are built in:
@@ -343,7 +343,11 @@ mod tests {
             (0..len)
                 .map(|i| {
                     let x = ((i * 37 + rank * 101) % 211) as f32 / 211.0;
-                    let sign = if (i + rank).is_multiple_of(3) { -1.0 } else { 1.0 };
+                    let sign = if (i + rank).is_multiple_of(3) {
+                        -1.0
+                    } else {
+                        1.0
+                    };
                     sign * m * (0.0625 + 0.9375 * x)
                 })
                 .collect()

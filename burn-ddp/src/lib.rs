@@ -13,54 +13,51 @@
 //!
 //! The pieces, in the order a training step uses them (see ARCHITECTURE.md):
 //! [`DistributedSampler`] / [`DistributedDataLoader`] (which samples each rank sees),
-//! [`ProcessGroup`] / [`ThreadGroup`] (the collectives), [`ReplicaLayout`] (the replica's tensors,
-//! checked across ranks), [`Reducer`] (gradient buckets), [`metrics`] (where the time goes).
+//! [`ProcessGroup`] / [`ThreadGroup`] / [`TcpGroup`] (the collectives), [`config`] (the settings),
+//! [`hooks`] (how a gradient bucket is reduced), [`metrics`] (where the time goes); the machinery
+//! (reducer, replica checks, rendezvous, launcher) is in [`advanced`].
 //! Every failure is a [`DdpError`] that names the rank, the collective, its sequence number and
 //! the timeout.
 
 #![warn(missing_docs)]
 
+pub mod advanced;
 pub mod checkpoint;
-mod config;
+pub mod config;
 mod ddp;
 mod error;
 pub mod group;
 pub mod hooks;
-pub mod launch;
+mod launch;
 pub mod lr;
 pub mod metrics;
 pub mod nccl;
 mod partition;
-pub mod reducer;
-pub mod rendezvous;
-pub mod replica;
-pub mod sampler;
+mod reducer;
+mod rendezvous;
+mod replica;
+mod sampler;
 mod signals;
-pub mod store;
+mod store;
 mod strategy;
-pub mod sync_bn;
-pub mod topology;
+mod sync_bn;
+mod topology;
 
-pub use config::{
-    BufferSync, DEFAULT_BUCKET_CAP_BYTES, DEFAULT_EPOCH_END_TIMEOUT,
-    DEFAULT_FIRST_BUCKET_CAP_BYTES, DdpConfig, NonFinite, UnevenInputs,
-};
+// The public API (ARCHITECTURE.md, "API boundary"): what a Burn training needs is here; the
+// settings, checkpoints, learning rates, reports, hooks, process groups and NCCL have a module
+// each; everything else (the reducer, replica checks, store, rendezvous, topology, launcher) is
+// under `advanced`.
+pub use config::DdpConfig;
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
-pub use group::{
-    Collective, DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, TcpGroup, TcpGroupOptions, ThreadGroup,
-};
-pub use reducer::GradientCompression;
-pub use reducer::{Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
-pub use replica::{
-    ReplicaLayout, TensorKind, TensorSpec, broadcast_buffers, broadcast_module,
-    tensor_fingerprints, value_fingerprint, verify_values_across,
-};
+pub use group::{ProcessGroup, TcpGroup, ThreadGroup};
 pub use sampler::{DistributedDataLoader, DistributedSampler};
 pub use signals::PREEMPTED_EXIT_CODE;
 pub use strategy::{DdpStrategy, DdpTraining};
 pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};
-pub use topology::Topology;
+
+// Short paths for the crate's own modules.
+pub(crate) use config::{BufferSync, NonFinite, UnevenInputs};
 
 /// The README's code blocks, compiled as doc-tests so they stay true.
 #[cfg(doctest)]

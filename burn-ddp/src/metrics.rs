@@ -6,7 +6,7 @@
 use std::fmt;
 use std::time::Duration;
 
-/// Communication counters of one rank's [`Reducer`](crate::Reducer).
+/// Communication counters of one rank's [`Reducer`](crate::advanced::Reducer).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CommStats {
     /// Gradient synchronisations (optimizer steps).
@@ -45,8 +45,8 @@ pub struct RankReport {
     pub batches: u64,
     /// Time in forward + backward passes (`TrainStep::step`).
     pub compute: Duration,
-    /// Time in the per-step agreement collective (does every rank still have a batch?),
-    /// including waiting for slower ranks.
+    /// Time in the per-step agreement collective of join mode (does every rank still have a
+    /// batch?) and in the end-of-data barrier of each epoch, including waiting for slower ranks.
     pub coordination: Duration,
     /// Time in optimizer steps.
     pub optimizer: Duration,
@@ -55,6 +55,21 @@ pub struct RankReport {
     pub skipped_steps: u64,
     /// Gradient synchronisation counters.
     pub comm: CommStats,
+    /// Collectives this rank issued in its training steps (from the first batch of each epoch
+    /// to its last, validation and the end-of-epoch barrier excluded): gradient buckets, buffer
+    /// averaging, SyncBatchNorm, checks, the stop votes, and in join mode the per-step agreement
+    /// (see [`collectives_per_step`](Self::collectives_per_step)).
+    pub step_collectives: u64,
+}
+
+impl RankReport {
+    /// [`step_collectives`](Self::step_collectives) per gradient synchronisation: 1 for a model
+    /// whose gradients fit one bucket, without SyncBatchNorm or buffer averaging, in the default
+    /// mode (every rank has as many batches: the stop votes ride in the gradient all-reduce), plus
+    /// one barrier per epoch at the end of the data. Join mode adds the per-step agreement.
+    pub fn collectives_per_step(&self) -> f64 {
+        self.step_collectives as f64 / self.comm.steps.max(1) as f64
+    }
 }
 
 /// Throughput of one training epoch, measured on rank 0 from the first step to the last.

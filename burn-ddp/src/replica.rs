@@ -108,7 +108,7 @@ const ABSENT: u64 = u64::MAX;
 
 /// Two hashes of a module's float tensors, cheap to take every step (no tensor data is read):
 /// `structure` covers their number, shapes, element sizes and ids; `trainable` which of them
-/// require gradients. The [`Reducer`](crate::Reducer) compares them with the layout the ranks
+/// require gradients. The [`Reducer`](crate::advanced::Reducer) compares them with the layout the ranks
 /// agreed on to notice layers frozen, unfrozen, added or replaced during training.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayoutFingerprints {
@@ -353,7 +353,7 @@ impl Hashes {
     }
 }
 
-/// A model as the [`Reducer`](crate::Reducer) looks at it every step: its
+/// A model as the [`Reducer`](crate::advanced::Reducer) looks at it every step: its
 /// [fingerprints](LayoutFingerprints), and its tensors when they changed.
 pub trait ReplicaView {
     /// The model's [`LayoutFingerprints`] now.
@@ -362,7 +362,7 @@ pub trait ReplicaView {
     fn scan(&self) -> ReplicaLayout;
 }
 
-/// A layout as a model that never changes (for driving a [`Reducer`](crate::Reducer) without a
+/// A layout as a model that never changes (for driving a [`Reducer`](crate::advanced::Reducer) without a
 /// module, e.g. in benchmarks).
 impl ReplicaView for ReplicaLayout {
     fn fingerprints(&self) -> LayoutFingerprints {
@@ -730,7 +730,7 @@ pub fn average_buffers<B: Backend, M: Module<B>>(
     average_selected(module, group, timeout, &buffers)
 }
 
-/// [`average_buffers`] of the tensors `select` marks (registration order).
+/// `average_buffers` of the tensors `select` marks (registration order).
 pub(crate) fn average_selected<B: Backend, M: Module<B>>(
     module: M,
     group: &dyn ProcessGroup,

@@ -1,23 +1,4 @@
-//! The distributed sampler: which samples each rank trains on, epoch by epoch.
-//!
-//! [`DistributedSampler`] has the semantics of PyTorch's `torch.utils.data.DistributedSampler`:
-//! - each epoch, the dataset's indices are shuffled with a generator seeded by `seed + epoch`, so
-//!   every epoch has a new order without the user calling anything, and every rank computes the
-//!   same permutation;
-//! - the permutation is padded by wrapping around to a multiple of the world size (or cut down to
-//!   one, with `drop_last`), so **every rank gets the same number of samples**, hence the same
-//!   number of batches, and no rank waits for a batch that never comes;
-//! - rank `r` takes positions `r, r + N, r + 2N, ...` of the permutation: the shards are disjoint
-//!   (apart from the wrapped padding) and together cover the dataset.
-//!
-//! With the strided shards, batch `k` of every rank together is exactly batch `k` of a single
-//! device that iterates the same permutation with an `N` times larger batch: data-parallel
-//! training sees the same samples per step as single-device training.
-//!
-//! [`DistributedDataLoader`] is a Burn [`DataLoader`] over a sampler. It presents the rank shards
-//! one after another (rank 0's samples, then rank 1's, ...), so that
-//! [`DataLoader::slice`] at multiples of the shard size, which is how
-//! [`DdpStrategy`](crate::DdpStrategy) splits a loader between ranks, hands each rank its shard.
+//! The distributed sampler and its data loader: which samples each rank trains on, epoch by epoch.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -43,7 +24,7 @@ thread_local! {
 /// epoch `epoch` instead of the loader's own counter. [`DdpStrategy`](crate::DdpStrategy) enters
 /// burn-train's epoch `k` as sampler epoch `k - 1` on every replica thread, so a resumed run gets
 /// the data order the uninterrupted run would have had.
-pub fn enter_epoch(epoch: u64) -> EpochGuard {
+pub(crate) fn enter_epoch(epoch: u64) -> EpochGuard {
     let previous = EPOCH.with(|e| e.replace(Some(epoch)));
     EpochGuard {
         previous,
@@ -52,7 +33,7 @@ pub fn enter_epoch(epoch: u64) -> EpochGuard {
 }
 
 /// Restores the previous epoch override when dropped (on the thread that entered it).
-pub struct EpochGuard {
+pub(crate) struct EpochGuard {
     previous: Option<u64>,
     _not_send: std::marker::PhantomData<*const ()>,
 }
@@ -65,7 +46,27 @@ impl Drop for EpochGuard {
 }
 use crate::{DdpError, Result};
 
-/// Index sampler with PyTorch's `DistributedSampler` semantics (see the [module docs](self)).
+/// The distributed sampler: which samples each rank trains on, epoch by epoch.
+///
+/// [`DistributedSampler`] has the semantics of PyTorch's `torch.utils.data.DistributedSampler`:
+/// - each epoch, the dataset's indices are shuffled with a generator seeded by `seed + epoch`, so
+///   every epoch has a new order without the user calling anything, and every rank computes the
+///   same permutation;
+/// - the permutation is padded by wrapping around to a multiple of the world size (or cut down to
+///   one, with `drop_last`), so **every rank gets the same number of samples**, hence the same
+///   number of batches, and no rank waits for a batch that never comes;
+/// - rank `r` takes positions `r, r + N, r + 2N, ...` of the permutation: the shards are disjoint
+///   (apart from the wrapped padding) and together cover the dataset.
+///
+/// With the strided shards, batch `k` of every rank together is exactly batch `k` of a single
+/// device that iterates the same permutation with an `N` times larger batch: data-parallel
+/// training sees the same samples per step as single-device training.
+///
+/// [`DistributedDataLoader`] is a Burn [`DataLoader`] over a sampler. It presents the rank shards
+/// one after another (rank 0's samples, then rank 1's, ...), so that
+/// [`DataLoader::slice`] at multiples of the shard size, which is how
+/// [`DdpStrategy`](crate::DdpStrategy) splits a loader between ranks, hands each rank its shard.
+///
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DistributedSampler {
     len: usize,
@@ -248,8 +249,9 @@ impl DistributedSampler {
 ///
 /// Each call to [`iter`](DataLoader::iter) starts the next epoch (0, 1, 2, ... unless
 /// [`with_epoch`](Self::with_epoch) sets the first), so every epoch gets a new order. Under
-/// [`DdpStrategy`](crate::DdpStrategy) the epoch follows burn-train's (see [`enter_epoch`]), also
-/// when resuming from a checkpoint.
+/// [`DdpStrategy`](crate::DdpStrategy) the epoch follows burn-train's (burn-train's epoch `k` is
+/// sampler epoch `k - 1`, set by the strategy on every replica's thread), also when resuming from
+/// a checkpoint.
 pub struct DistributedDataLoader<B: Backend, I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<B, I, O>>,

@@ -1,24 +1,4 @@
-//! [`SyncBatchNorm`]: batch normalisation whose batch statistics are computed over the global
-//! batch (every replica's shard), the counterpart of `torch.nn.SyncBatchNorm`.
-//!
-//! With plain BatchNorm each replica normalises with the mean and variance of its own shard, so
-//! N replicas with batch B/N do not compute what one device with batch B does. `SyncBatchNorm`
-//! sums the per-channel statistics over the ranks in the forward pass, and its gradients in the
-//! backward pass, so training matches single-device BatchNorm on the whole batch.
-//!
-//! The ranks it synchronises with are the *current process group* of the calling thread:
-//! [`DdpStrategy`](crate::DdpStrategy) sets it on every replica's thread; with
-//! [`DistributedDataParallel`](crate::DistributedDataParallel), enter it with
-//! [`enter_process_group`]. Without one (plain single-device training) it is exactly Burn's
-//! `BatchNorm`.
-//!
-//! It needs a backend that implements [`SyncBatchNormBackend`]: Burn's `Autodiff` over NdArray
-//! or Flex (features `ndarray` and `flex`, on by default) or CUDA (feature `cuda`). Every replica must run the same SyncBatchNorm
-//! layers in the same order (it issues collectives); it cannot be combined with
-//! [`UnevenInputs::Join`](crate::UnevenInputs::Join), where a rank without a batch skips its
-//! forward pass. A collective that fails inside a forward or backward pass panics (those cannot
-//! return errors); `DdpStrategy` reports it as [`DdpError::WorkerPanicked`](crate::DdpError)
-//! carrying the collective's error, and the process group is aborted, so the other ranks stop.
+//! [`SyncBatchNorm`]: batch normalisation over the global batch.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -44,27 +24,30 @@ thread_local! {
 
 /// Whether a SyncBatchNorm layer ran a training forward pass on this thread (the strategy refuses
 /// to combine it with join mode).
-pub fn used_on_this_thread() -> bool {
+pub(crate) fn used_on_this_thread() -> bool {
     USED.with(std::cell::Cell::get)
 }
 
 /// Makes `group` the current process group of this thread (for [`SyncBatchNorm`]) until the
 /// returned guard is dropped; collectives time out after `timeout`.
-pub fn enter_process_group(group: Arc<dyn ProcessGroup>, timeout: Duration) -> GroupGuard {
+pub(crate) fn enter_process_group(
+    group: Arc<dyn ProcessGroup>,
+    timeout: Duration,
+) -> SyncBatchNormGuard {
     let previous = CURRENT.with(|c| c.replace(Some((group, timeout))));
-    GroupGuard {
+    SyncBatchNormGuard {
         previous,
         _not_send: std::marker::PhantomData,
     }
 }
 
 /// Restores the previous current process group when dropped (on the thread that entered it).
-pub struct GroupGuard {
+pub struct SyncBatchNormGuard {
     previous: Option<(Arc<dyn ProcessGroup>, Duration)>,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
-impl Drop for GroupGuard {
+impl Drop for SyncBatchNormGuard {
     fn drop(&mut self) {
         let previous = self.previous.take();
         CURRENT.with(|c| *c.borrow_mut() = previous);
@@ -180,7 +163,29 @@ impl SyncBatchNormConfig {
     }
 }
 
-/// Batch normalisation with statistics over the global batch (see the [module docs](self)).
+/// Batch normalisation whose batch statistics are computed over the global batch (every
+/// replica's shard), the counterpart of `torch.nn.SyncBatchNorm`.
+///
+/// With plain BatchNorm each replica normalises with the mean and variance of its own shard, so
+/// N replicas with batch B/N do not compute what one device with batch B does. `SyncBatchNorm`
+/// sums the per-channel statistics over the ranks in the forward pass, and its gradients in the
+/// backward pass, so training matches single-device BatchNorm on the whole batch.
+///
+/// The ranks it synchronises with are the *current process group* of the calling thread:
+/// [`DdpStrategy`](crate::DdpStrategy) sets it on every replica's thread; with
+/// [`DistributedDataParallel`](crate::DistributedDataParallel), enter it with
+/// [`DistributedDataParallel::enter_sync_batch_norm`](crate::DistributedDataParallel::enter_sync_batch_norm).
+/// Without one (plain single-device training) it is exactly Burn's
+/// `BatchNorm`.
+///
+/// It needs a backend that implements [`SyncBatchNormBackend`]: Burn's `Autodiff` over NdArray
+/// or Flex (features `ndarray` and `flex`, on by default) or CUDA (feature `cuda`). Every replica
+/// must run the same SyncBatchNorm layers in the same order (it issues collectives); it cannot be combined with
+/// [`UnevenInputs::Join`](crate::config::UnevenInputs::Join), where a rank without a batch skips its
+/// forward pass. A collective that fails inside a forward or backward pass panics (those cannot
+/// return errors); `DdpStrategy` reports it as [`DdpError::WorkerPanicked`](crate::DdpError)
+/// carrying the collective's error, and the process group is aborted, so the other ranks stop.
+///
 /// Input `[batch, channels, ...]`, output of the same shape.
 #[derive(Module, Debug)]
 pub struct SyncBatchNorm<B: Backend> {

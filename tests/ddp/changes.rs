@@ -39,7 +39,7 @@ impl<B: Backend> TwoLayers<B> {
             activation: Relu::new(),
         };
         // Materialise the lazily created parameters, so clones share their values.
-        let _ = burn_ddp::value_fingerprint(&model);
+        let _ = burn_ddp::advanced::value_fingerprint(&model);
         model
     }
 
@@ -311,7 +311,7 @@ impl<B: Backend> Tied<B> {
             head: LinearConfig::new(FEATURES, CLASSES).init(device),
             activation: Relu::new(),
         };
-        let _ = burn_ddp::value_fingerprint(&model);
+        let _ = burn_ddp::advanced::value_fingerprint(&model);
         model
     }
 

@@ -3,6 +3,8 @@
 
 use burn::optim::lr_scheduler::exponential::ExponentialLrSchedulerConfig;
 use burn::optim::{AdamConfig, SgdConfig};
+use burn_ddp::DdpConfig;
+use burn_ddp::config::UnevenInputs;
 use burn_ddp_tests::{
     CountingScheduler, Mlp, Run, device, float_tensors, materialized, max_relative_difference,
     run_training,
@@ -132,6 +134,31 @@ fn gradient_accumulation_syncs_once_per_optimizer_step() {
     for rank in &report.ranks {
         assert_eq!(rank.batches, 20);
         assert_eq!(rank.comm.steps, 10, "one gradient sync per optimizer step");
+    }
+}
+
+#[test]
+fn a_step_is_one_collective_unless_ranks_may_run_out_at_different_steps() {
+    let model = materialized(Mlp::new(&device()));
+    let mut run = Run::new(Some(2), 32, 10 * 32);
+    run.epochs = 2;
+    let (_, report) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    for rank in &report.unwrap().ranks {
+        // The stop votes ride in the one gradient bucket; a barrier per epoch ends the data.
+        assert_eq!(
+            (rank.comm.steps, rank.comm.buckets),
+            (20, 20),
+            "rank {}",
+            rank.rank
+        );
+        assert_eq!(rank.step_collectives, 20 + 2, "rank {}", rank.rank);
+        assert!((rank.collectives_per_step() - 1.1).abs() < 1e-9);
+    }
+    // Join mode agrees on who has a batch before every step, and once more when none has.
+    run.config = DdpConfig::default().with_uneven_inputs(UnevenInputs::Join);
+    let (_, report) = run_training(model, SgdConfig::new().init(), 0.1, &run).unwrap();
+    for rank in &report.unwrap().ranks {
+        assert_eq!(rank.step_collectives, 2 * 20 + 2, "rank {}", rank.rank);
     }
 }
 

@@ -5,6 +5,7 @@
 mod changes;
 mod equivalence;
 mod failures;
+mod hooks;
 mod processes;
 mod replicas;
 mod sampling;

@@ -29,10 +29,11 @@ use burn::train::{
     SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp::checkpoint::AtomicRecorder;
+use burn_ddp::config::UnevenInputs;
 use burn_ddp::metrics::TrainingReport;
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler,
-    ProcessGroup, UnevenInputs,
+    ProcessGroup,
 };
 
 /// The test backend: CPU, one thread per replica.
@@ -682,7 +683,7 @@ pub fn with_values<B: Backend, M: Module<B>>(model: M, values: &[Vec<f32>]) -> M
 /// A freshly initialised model whose lazily created parameters are materialised, so clones share
 /// the same values (Burn initialises parameters lazily, per clone).
 pub fn materialized<M: Module<TestBackend>>(model: M) -> M {
-    let _ = burn_ddp::value_fingerprint(&model);
+    let _ = burn_ddp::advanced::value_fingerprint(&model);
     model
 }
 

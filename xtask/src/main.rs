@@ -5,9 +5,10 @@
 //!   release mode and runs it with ARGS; with `--device cuda` in ARGS (or xtask's own `cuda`
 //!   feature) the example is built with its `cuda` feature.
 //! - `cargo xtask bench [-- --long --out DIR]`: the benchmark, in release mode.
-//! - `cargo xtask gpu-check [--out DIR]`: builds the Fashion-MNIST example with CUDA (release,
-//!   stripped, gzipped) and writes it to DIR (default `target/gpu-check`) with `run.sh`, the script that
-//!   runs the GPU checks on a machine with a GPU and no Rust toolchain (see README).
+//! - `cargo xtask gpu-check [--out DIR]`: builds the `gpu-check` binary and the Fashion-MNIST
+//!   example with CUDA (release, stripped, gzipped) and writes them to DIR (default
+//!   `target/gpu-check`) with `run.sh`, the script that runs the GPU checks on a machine with a
+//!   GPU and no Rust toolchain (see README).
 //! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
 //!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
 //!   example's name (`fashion-mnist`), builds it too and runs that binary (with its `cuda`
@@ -32,8 +33,8 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Prepare the GPU checks: a stripped release build of the example with CUDA, and the script
-    /// that runs `fashion-mnist gpu-check` on the GPU machine.
+    /// Prepare the GPU checks: stripped release builds of `gpu-check` and the example with CUDA,
+    /// and the script that runs `gpu-check` on the GPU machine.
     GpuCheck {
         /// Directory for the binary and the script.
         #[arg(long, default_value = "target/gpu-check")]
@@ -110,8 +111,8 @@ fn wants_cuda(args: &[String]) -> bool {
 
 /// The script that runs on the GPU machine, beside the binary.
 const GPU_CHECK_SCRIPT: &str = r#"#!/usr/bin/env bash
-# burn-ddp GPU checks (written by `cargo xtask gpu-check`). Runs beside the `fashion-mnist`
-# binary on a machine with an NVIDIA GPU; needs no Rust toolchain and no network. Prints one JSON
+# burn-ddp GPU checks (written by `cargo xtask gpu-check`). Runs beside the `gpu-check` and
+# `fashion-mnist` binaries on a machine with an NVIDIA GPU; needs no Rust toolchain and no network. Prints one JSON
 # summary and writes it to $OUT/gpu-check.json (or ./gpu-check.json).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -165,11 +166,13 @@ PY
 fi
 # The summary goes to a file, rewritten after each phase (NCCL_DEBUG output on stdout cannot
 # corrupt it, and a run cut short keeps the finished phases).
-# The binary travels gzipped.
+# The binaries travel gzipped.
 bin=/tmp/burn-ddp-gpu-check-bin
 mkdir -p "$bin"
-gunzip -c "$here/fashion-mnist.gz" > "$bin/fashion-mnist" && chmod +x "$bin/fashion-mnist" || exit 1
-"$bin/fashion-mnist" gpu-check --data "$data" --out "$out/gpu-check.json" "$@" >&2
+for name in gpu-check fashion-mnist; do
+  gunzip -c "$here/$name.gz" > "$bin/$name" && chmod +x "$bin/$name" || exit 1
+done
+"$bin/gpu-check" --example "$bin/fashion-mnist" --data "$data" --out "$out/gpu-check.json" "$@" >&2
 status=$?
 cat "$out/gpu-check.json" 2>/dev/null
 exit "$status"
@@ -190,24 +193,28 @@ fn gpu_check(out: &std::path::Path) -> ExitCode {
     }
     let written = (|| -> std::io::Result<u64> {
         std::fs::create_dir_all(out)?;
-        let binary = out.join("fashion-mnist");
-        std::fs::copy(target_dir().join("release/fashion-mnist"), &binary)?;
-        // Keep what travels small: no symbols, and gzip (about a third of the size); run.sh
-        // unpacks it.
-        let stripped = Command::new("strip").arg(&binary).status();
-        if !stripped.is_ok_and(|s| s.success()) {
-            eprintln!("warning: `strip` failed or is missing; the binary travels unstripped");
+        let mut bytes = 0;
+        for name in ["gpu-check", "fashion-mnist"] {
+            let binary = out.join(name);
+            std::fs::copy(target_dir().join("release").join(name), &binary)?;
+            // Keep what travels small: no symbols, and gzip (about a third of the size); run.sh
+            // unpacks them.
+            let stripped = Command::new("strip").arg(&binary).status();
+            if !stripped.is_ok_and(|s| s.success()) {
+                eprintln!("warning: `strip` failed or is missing; {name} travels unstripped");
+            }
+            let packed = out.join(format!("{name}.gz"));
+            {
+                let mut reader = std::fs::File::open(&binary)?;
+                let file = std::fs::File::create(&packed)?;
+                let mut encoder =
+                    flate2::write::GzEncoder::new(file, flate2::Compression::default());
+                std::io::copy(&mut reader, &mut encoder)?;
+                encoder.finish()?.sync_all()?;
+            }
+            std::fs::remove_file(&binary)?;
+            bytes += std::fs::metadata(&packed)?.len();
         }
-        let packed = out.join("fashion-mnist.gz");
-        {
-            let mut reader = std::fs::File::open(&binary)?;
-            let file = std::fs::File::create(&packed)?;
-            let mut encoder = flate2::write::GzEncoder::new(file, flate2::Compression::default());
-            std::io::copy(&mut reader, &mut encoder)?;
-            encoder.finish()?.sync_all()?;
-        }
-        std::fs::remove_file(&binary)?;
-        let binary = packed;
         let script = out.join("run.sh");
         std::fs::write(&script, GPU_CHECK_SCRIPT)?;
         #[cfg(unix)]
@@ -215,12 +222,13 @@ fn gpu_check(out: &std::path::Path) -> ExitCode {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
         }
-        Ok(std::fs::metadata(&binary)?.len())
+        Ok(bytes)
     })();
     match written {
         Ok(bytes) => {
             println!(
-                "GPU check ready in {dir}: fashion-mnist.gz ({:.1} MiB) and run.sh.\n\
+                "GPU check ready in {dir}: gpu-check.gz and fashion-mnist.gz ({:.1} MiB) and \
+                 run.sh.\n\
                  On the GPU machine: bash {dir}/run.sh (prints and writes gpu-check.json)",
                 bytes as f64 / (1024.0 * 1024.0),
                 dir = out.display()
@@ -270,7 +278,14 @@ fn launch(args: &[String]) -> ExitCode {
     };
     let mut build = cargo();
     // All binaries of the packages (`--bin` would also filter the example's out).
-    build.args(["build", "--release", "--package", "burn-ddp"]);
+    build.args([
+        "build",
+        "--release",
+        "--package",
+        "burn-ddp",
+        "--features",
+        "burn-ddp/launcher",
+    ]);
     let example = EXAMPLES.contains(&program.as_str());
     if features.is_none() && (cfg!(feature = "cuda") || wants_cuda(program_args)) {
         features = Some("cuda".into());

@@ -25,6 +25,7 @@
 //! Implementations: [`ThreadGroup`] (ranks are threads of one process, shared memory) and
 //! [`TcpGroup`] (ranks are processes, on one machine or many, connected by TCP).
 
+pub(crate) mod counting;
 mod tcp;
 mod thread;
 
@@ -244,7 +245,7 @@ pub trait ProcessGroup: Send + Sync {
     }
 
     /// Whether [`all_reduce_device`](ProcessGroup::all_reduce_device) takes device tensors; the
-    /// [`Reducer`](crate::Reducer) then builds its buckets in device memory instead of host
+    /// [`Reducer`](crate::advanced::Reducer) then builds its buckets in device memory instead of host
     /// buffers. Default: `false` (the CPU groups reduce host buffers).
     fn reduces_device_tensors(&self) -> bool {
         false

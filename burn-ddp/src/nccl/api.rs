@@ -56,7 +56,7 @@ pub fn nccl_op(op: ReduceOp) -> c_int {
 }
 
 /// `ncclUniqueId`: the 128 bytes that name a communicator. Rank 0 creates it
-/// ([`NcclApi::unique_id`]) and every rank passes the same one to its communicator's
+/// (`ncclGetUniqueId`) and every rank passes the same one to its communicator's
 /// initialisation; it travels as 16 `u64` words ([`to_words`](Self::to_words)) through a host
 /// process group or as 256 hex digits ([`to_hex`](Self::to_hex)) through a rendezvous store.
 #[repr(C)]

@@ -174,7 +174,8 @@ unsafe impl Send for Cuda {}
 /// ```no_run
 /// # use std::sync::Arc;
 /// # use std::time::Duration;
-/// # use burn_ddp::{ProcessGroup, TcpGroup, TcpGroupOptions};
+/// # use burn_ddp::group::TcpGroupOptions;
+/// # use burn_ddp::{ProcessGroup, TcpGroup};
 /// # use burn_ddp::nccl::{NcclGroup, NcclIdSource};
 /// # fn main() -> burn_ddp::Result<()> {
 /// let host = Arc::new(TcpGroup::from_env(&TcpGroupOptions::default())?);
@@ -314,7 +315,7 @@ impl NcclGroup {
     ///
     /// # Errors
     /// [`DdpError::LibraryNotFound`] when libcuda, NVRTC, the CUDA headers or libnccl is missing
-    /// (see [`check_cuda_driver`] and [`library`](super::library)); [`DdpError::Nccl`] when a
+    /// (see [`check_cuda_driver`] and the [module docs](super)); [`DdpError::Nccl`] when a
     /// CUDA or NCCL call fails, with code `"timeout"` when the ranks do not all join within
     /// `timeout` and `"aborted"` when a peer aborts meanwhile; [`DdpError::InvalidConfig`] for a
     /// device index beyond `i32`; the host group's errors during the id exchange. On error the

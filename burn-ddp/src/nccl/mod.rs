@@ -1,17 +1,22 @@
-//! NCCL: the process group of CUDA devices ([`NcclGroup`], feature `cuda`), and how `libnccl`
-//! is found and loaded at run time ([`library`], [`api`]).
+//! NCCL: the process group of CUDA devices (`NcclGroup`, feature `cuda`); `libnccl` is found and
+//! loaded at run time (`BURN_DDP_NCCL_LIB`, the `nvidia-nccl-cu*` Python wheels, the dynamic
+//! linker's search).
 //!
 //! The library lookup and the C API's types are plain Rust, built and tested without a GPU; the
 //! group itself needs the `cuda` feature.
 
-pub mod api;
+// Without `cuda` only their unit tests use them.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod api;
 #[cfg(feature = "cuda")]
-pub mod group;
-pub mod library;
+mod group;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod library;
 
-pub use api::{NcclApi, NcclUniqueId};
+pub use api::{NcclUniqueId, version_string};
 #[cfg(feature = "cuda")]
 pub use group::{NcclGroup, NcclIdSource, check_cuda_driver, cuda_device_count};
+pub use library::NCCL_LIB_ENV;
 
 use std::sync::Arc;
 
@@ -27,7 +32,7 @@ use crate::{DdpConfig, Result};
 /// [`NcclGroup::new`]'s: [`DdpError::LibraryNotFound`](crate::DdpError::LibraryNotFound) without
 /// libcuda or libnccl, [`DdpError::Nccl`](crate::DdpError::Nccl) when the communicator cannot
 /// be built within `config.timeout()`.
-pub fn group_for_device<D: std::any::Any>(
+pub(crate) fn group_for_device<D: std::any::Any>(
     host: Arc<dyn ProcessGroup>,
     device: &D,
     config: &DdpConfig,

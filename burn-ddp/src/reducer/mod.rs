@@ -84,25 +84,36 @@ pub(crate) struct Control {
     /// This rank's model tensors differ from the agreed layout (added, removed, replaced), or it
     /// has gradients for tensors its model does not train.
     structure_changed: f32,
+    /// This rank's [`StopVote::interrupt`].
+    stop: f32,
+    /// This rank's [`StopVote::signal`].
+    signal: f32,
 }
 
 impl Control {
     /// Number of control words.
-    pub(crate) const LEN: usize = 2;
+    pub(crate) const LEN: usize = 4;
 
     fn len(&self) -> usize {
         Self::LEN
     }
 
     fn words(&self) -> [f32; Self::LEN] {
-        [self.trainable_changed, self.structure_changed]
+        [
+            self.trainable_changed,
+            self.structure_changed,
+            self.stop,
+            self.signal,
+        ]
     }
 
     fn from_words(words: &[f32]) -> Option<Self> {
         match words {
-            [trainable_changed, structure_changed, ..] => Some(Self {
+            [trainable_changed, structure_changed, stop, signal, ..] => Some(Self {
                 trainable_changed: *trainable_changed,
                 structure_changed: *structure_changed,
+                stop: *stop,
+                signal: *signal,
             }),
             _ => None,
         }
@@ -283,7 +294,9 @@ impl Reducer {
             if known != grads.len() {
                 return Err(self.structure_error(step, replica, grads.len() - known)?);
             }
-            return Ok(self.local_checks::<B>(grads, options));
+            let mut outcome = self.local_checks::<B>(grads, options);
+            outcome.stop = options.stop;
+            return Ok(outcome);
         }
 
         // The agreed layout is moved out for the step (the paths borrow it), then put back.
@@ -356,6 +369,8 @@ impl Reducer {
         let control = Control {
             trainable_changed: f32::from(u8::from(changes.trainable_changed)),
             structure_changed: f32::from(u8::from(changes.structure_changed || unknown > 0)),
+            stop: f32::from(u8::from(options.stop.interrupt)),
+            signal: f32::from(u8::from(options.stop.signal)),
         };
         let on_device = self.group.reduces_device_tensors();
 
@@ -479,6 +494,11 @@ impl Reducer {
         }
         let verdict = Verdict::of(observed, options);
         let mut outcome = ReduceOutcome {
+            // Reduced flags: positive when any rank voted.
+            stop: StopVote {
+                interrupt: reduced_control.stop > 0.0,
+                signal: reduced_control.signal > 0.0,
+            },
             local_non_finite: options.check_finite && local_non_finite,
             non_finite: verdict.non_finite,
             grad_norm: verdict.norm,
@@ -831,6 +851,9 @@ pub struct ReduceOptions {
     pub clip_norm: Option<f32>,
     /// Check the gradients for NaN and infinity (before and after the all-reduce).
     pub check_finite: bool,
+    /// This rank's vote to stop, carried by the step's first bucket (one collective for the
+    /// gradients and the vote); read every rank's in [`ReduceOutcome::stop`]. Default: none.
+    pub stop: StopVote,
 }
 
 impl Default for ReduceOptions {
@@ -840,7 +863,26 @@ impl Default for ReduceOptions {
             op: ReduceOp::Avg,
             clip_norm: None,
             check_finite: false,
+            stop: StopVote::default(),
         }
+    }
+}
+
+/// A rank's request to stop training, carried by a step's gradient all-reduce (two control words
+/// of the first bucket) so that no separate collective is needed to agree on it: every rank
+/// learns in that step's [`ReduceOutcome::stop`] whether any rank asked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StopVote {
+    /// burn-train's `Interrupter` asked to stop (a user's or a callback's stop).
+    pub interrupt: bool,
+    /// A stop signal (SIGTERM, SIGINT, SIGHUP) arrived: stop and write a step checkpoint.
+    pub signal: bool,
+}
+
+impl StopVote {
+    /// Whether any stop was asked for.
+    pub fn any(&self) -> bool {
+        self.interrupt || self.signal
     }
 }
 
@@ -858,6 +900,8 @@ pub struct ReduceOutcome {
     pub grad_norm: Option<f64>,
     /// The factor the gradients were multiplied by, when they were clipped.
     pub clip_scale: Option<f32>,
+    /// Whether any rank voted to stop in this step ([`ReduceOptions::stop`]).
+    pub stop: StopVote,
 }
 
 impl ReduceOutcome {
@@ -868,6 +912,7 @@ impl ReduceOutcome {
             local_non_finite: false,
             grad_norm: None,
             clip_scale: None,
+            stop: StopVote::default(),
         }
     }
 }

@@ -4,6 +4,7 @@
 //! a checkpoint of the step reached).
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use burn::data::dataloader::Progress;
@@ -15,13 +16,14 @@ use burn::train::{
 };
 
 use super::lock;
-use super::policy::{Agreement, OnNonFinite, StepPolicy};
+use super::policy::{Agreement, OnNonFinite, StepPolicy, uneven};
 use super::resume::wait_for_epoch_checkpoint;
 use super::validation::validate;
 use super::worker::{Leader, Role, Worker};
 use crate::checkpoint::{DdpState, StepState};
 use crate::ddp::DistributedDataParallel;
 use crate::metrics::{EpochReport, RankReport};
+use crate::reducer::StopVote;
 use crate::{BufferSync, DdpError, Result};
 
 /// Why an epoch's loop ended before its data.
@@ -47,6 +49,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
         &mut self,
         ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
         report: &mut RankReport,
+        collectives: &AtomicU64,
     ) -> Result<()> {
         let world_size = self.group.world_size();
         let mut policy = StepPolicy::new(&self.config, self.grad_accumulation)?;
@@ -84,8 +87,10 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             let mut buffer_snapshot: Option<Vec<f32>> = None;
             let mut steps = 0u64;
             let mut step = skip;
-            let mut epoch_samples = 0u64;
             let mut stop = None;
+            let collectives_before = collectives.load(Ordering::Relaxed);
+            // Local counts; the epoch's totals come with the end-of-epoch all-gather.
+            let mut local_samples = 0u64;
             loop {
                 let before = iterator.progress().items_processed;
                 let item = iterator.next();
@@ -97,23 +102,43 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                         .max(1),
                     None => 0,
                 };
-                let started = Instant::now();
-                let agreement = self.agree(samples)?;
-                report.coordination += started.elapsed();
-                if agreement.interrupted {
-                    stop = Some(Stop::Interrupted);
-                    break;
-                }
-                // A stop signal is taken at an optimizer step's boundary, on every rank alike.
-                if !agreement.signalled.is_empty() && policy.at_step_boundary() {
-                    stop = Some(Stop::Signal(agreement.signalled));
-                    break;
-                }
-                epoch_samples += agreement.total();
-                if agreement.samples.iter().all(|&s| s == 0) {
-                    break;
-                }
-                policy.check_even(&agreement, self.rank, epoch, step)?;
+                local_samples += samples as u64;
+                // Join mode: every step starts with an agreement on who still has a batch (the
+                // weights of the reduction depend on it). Otherwise every rank has a batch until
+                // all run out together, and the stop votes ride in the gradient all-reduce: one
+                // collective per step.
+                let agreement = if policy.join() {
+                    let started = Instant::now();
+                    let agreement = self.agree(samples)?;
+                    report.coordination += started.elapsed();
+                    if agreement.interrupted {
+                        stop = Some(Stop::Interrupted);
+                        break;
+                    }
+                    // A stop signal is taken at an optimizer step's boundary, on every rank
+                    // alike.
+                    if !agreement.signalled.is_empty() && policy.at_step_boundary() {
+                        stop = Some(Stop::Signal(agreement.signalled));
+                        break;
+                    }
+                    if agreement.samples.iter().all(|&s| s == 0) {
+                        break;
+                    }
+                    Some(agreement)
+                } else {
+                    if item.is_none() {
+                        // Out of batches: so must every rank be. A barrier is a collective no
+                        // rank with a batch issues (it is in its gradient all-reduce), so uneven
+                        // data is a mismatch on both sides, reported as such.
+                        let started = Instant::now();
+                        self.group
+                            .barrier(self.config.timeout())
+                            .map_err(|err| uneven(err, self.rank, epoch, step, false))?;
+                        report.coordination += started.elapsed();
+                        break;
+                    }
+                    None
+                };
                 if has_buffers && policy.may_skip() && policy.at_step_boundary() {
                     // Taken before this step's forward passes touch BatchNorm statistics.
                     buffer_snapshot = Some(crate::replica::snapshot_selected(
@@ -150,9 +175,22 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     Some(grads)
                 };
                 if let Some(grads) = ready {
-                    let options = policy.reduce_options(samples as u64, agreement.total());
-                    let outcome =
-                        ddp.sync_gradients_with(&self.learner.model(), grads, &options)?;
+                    let options = match &agreement {
+                        Some(agreement) => policy.reduce_options(samples as u64, agreement.total()),
+                        None => {
+                            // Read after this step's forward and backward passes: an interrupt
+                            // raised during them stops training after this step.
+                            let mut options = policy.reduce_options(samples as u64, 0);
+                            options.stop = StopVote {
+                                interrupt: self.interrupter.should_stop(),
+                                signal: self.signal().is_some(),
+                            };
+                            options
+                        }
+                    };
+                    let outcome = ddp
+                        .sync_gradients_with(&self.learner.model(), grads, &options)
+                        .map_err(|err| uneven(err, self.rank, epoch, step, true))?;
                     counters.synchronisations += 1;
                     if outcome.non_finite {
                         if policy.on_non_finite() == OnNonFinite::Fail {
@@ -194,47 +232,68 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     if every > 0 && counters.synchronisations.is_multiple_of(every) {
                         ddp.check_consistency(&self.learner.model(), counters.optimizer_steps)?;
                     }
-                    let every = self.config.checkpoint_every();
-                    if every > 0
-                        && !outcome.non_finite
-                        && counters.optimizer_steps.is_multiple_of(every)
-                    {
-                        self.write_step_checkpoint(epoch, step + 1, &counters)?;
+                    if outcome.stop.interrupt {
+                        stop = Some(Stop::Interrupted);
+                    } else if outcome.stop.signal {
+                        // Rare: one all-gather to name who was signalled, and with what.
+                        let all = self.group.all_gather(
+                            &[self.signal().map_or(0, |s| s as u64)],
+                            self.config.timeout(),
+                        )?;
+                        stop = Some(Stop::Signal(
+                            all.iter()
+                                .enumerate()
+                                .filter(|(_, s)| **s != 0)
+                                .map(|(r, s)| (r, *s as i32))
+                                .collect(),
+                        ));
+                    } else {
+                        let every = self.config.checkpoint_every();
+                        if every > 0
+                            && !outcome.non_finite
+                            && counters.optimizer_steps.is_multiple_of(every)
+                        {
+                            self.write_step_checkpoint(epoch, step + 1, &counters)?;
+                        }
                     }
                 }
                 step += 1;
 
-                let Some(item) = item else {
-                    continue;
-                };
-                let local = iterator.progress();
-                let item = TrainingItem::new(
-                    item,
-                    Progress::new(
-                        local.items_processed * world_size,
-                        local.items_total * world_size,
-                    ),
-                    progress_global.clone(),
-                    Some(step),
-                    Some(self.learner.lr_current()),
-                );
-                match &mut self.role {
-                    Role::Leader(leader) => {
-                        leader
-                            .event_processor
-                            .process_train(LearnerEvent::ProcessedItem(item));
-                        forward_pending(leader);
+                if let Some(item) = item {
+                    let local = iterator.progress();
+                    let item = TrainingItem::new(
+                        item,
+                        Progress::new(
+                            local.items_processed * world_size,
+                            local.items_total * world_size,
+                        ),
+                        progress_global.clone(),
+                        Some(step),
+                        Some(self.learner.lr_current()),
+                    );
+                    match &mut self.role {
+                        Role::Leader(leader) => {
+                            leader
+                                .event_processor
+                                .process_train(LearnerEvent::ProcessedItem(item));
+                            forward_pending(leader);
+                        }
+                        Role::Follower(sender) => {
+                            // Rank 0 only stops listening when training ends; a failed send
+                            // means it is gone, which the next collective reports.
+                            let _ = sender.send(item);
+                        }
+                        // Rank 0, in another process, reports its own items.
+                        Role::Silent(_) => {}
                     }
-                    Role::Follower(sender) => {
-                        // Rank 0 only stops listening when training ends; a failed send means
-                        // it is gone, which the next collective reports.
-                        let _ = sender.send(item);
-                    }
-                    // Rank 0, in another process, reports its own items.
-                    Role::Silent(_) => {}
+                }
+                if stop.is_some() {
+                    // After the step that carried the vote (its batch is trained and counted).
+                    break;
                 }
             }
             let train_time = epoch_start.elapsed();
+            report.step_collectives += collectives.load(Ordering::Relaxed) - collectives_before;
             drop(iterator);
             if let Some(Stop::Signal(signalled)) = stop {
                 return Err(self.stop_for_signal(epoch, step, &counters, signalled));
@@ -247,12 +306,6 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 leader
                     .event_processor
                     .process_train(LearnerEvent::EndEpoch(epoch));
-                lock(&self.report).epochs.push(EpochReport {
-                    epoch,
-                    samples: epoch_samples,
-                    steps,
-                    train_time,
-                });
                 if !interrupted {
                     validate::<LC>(&self.learner, leader, &progress_global, &self.interrupter);
                     if let Some(checkpointer) = &mut leader.checkpointer {
@@ -290,21 +343,31 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 }
             }
             // Everyone waits here while rank 0 validates and writes checkpoints: the barrier
-            // after the checkpoint. It also carries the stop votes and stop signals.
+            // after the checkpoint. It also carries the stop votes, stop signals and the
+            // samples each rank trained on.
             let votes = self.group.all_gather(
                 &[
                     u64::from(stop_requested || self.interrupter.should_stop()),
                     self.signal().map_or(0, |s| s as u64),
+                    local_samples,
                 ],
                 self.config.epoch_end_timeout(),
             )?;
+            if let Role::Leader(_) = &self.role {
+                lock(&self.report).epochs.push(EpochReport {
+                    epoch,
+                    samples: votes.chunks(3).map(|v| v[2]).sum(),
+                    steps,
+                    train_time,
+                });
+            }
             let signalled: Vec<(usize, i32)> = votes
-                .chunks(2)
+                .chunks(3)
                 .enumerate()
                 .filter(|(_, v)| v[1] != 0)
                 .map(|(r, v)| (r, v[1] as i32))
                 .collect();
-            let stopping = votes.chunks(2).any(|v| v[0] != 0);
+            let stopping = votes.chunks(3).any(|v| v[0] != 0);
             if !signalled.is_empty() && epoch < *self.epochs.end() && !interrupted && !stopping {
                 // The epoch is complete: the next run starts with the next one.
                 return Err(self.stop_for_signal(epoch + 1, 0, &counters, signalled));

@@ -3,7 +3,7 @@
 //! One worker thread per device, each with its own replica (a clone of the learner: model,
 //! optimizer, LR scheduler) and its own shard of the training set. Each step every replica runs
 //! forward and backward on its batch, the gradients are averaged across replicas by the
-//! [`Reducer`](crate::Reducer), and every replica applies the same optimizer step, so the replicas
+//! [`Reducer`](crate::advanced::Reducer), and every replica applies the same optimizer step, so the replicas
 //! stay bit-identical. Rank 0 alone drives burn-train's events (progress, metrics), runs
 //! validation, writes checkpoints and decides early stopping; the other ranks forward their
 //! training items to it, so the metrics cover the global batch.
@@ -127,7 +127,8 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// # use burn::train::{SupervisedTraining, LearningComponentsTypes};
     /// # fn doc<LC: LearningComponentsTypes<Backend = Autodiff<Flex>> + Send + 'static>(training: SupervisedTraining<LC>) -> Result<SupervisedTraining<LC>, burn_ddp::DdpError> {
     /// use std::sync::Arc;
-    /// use burn_ddp::{DdpStrategy, TcpGroup, TcpGroupOptions};
+    /// use burn_ddp::group::TcpGroupOptions;
+    /// use burn_ddp::{DdpStrategy, TcpGroup};
     /// // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the launcher.
     /// let group = Arc::new(TcpGroup::from_env(&TcpGroupOptions::default())?);
     /// let strategy = DdpStrategy::with_process_group(Default::default(), group);

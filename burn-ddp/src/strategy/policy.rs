@@ -2,7 +2,7 @@
 //! ranks' gradients are combined (join mode's weighting), when an optimizer step happens
 //! (gradient accumulation), what a step with uneven data or non-finite gradients means.
 
-use crate::group::ReduceOp;
+use crate::group::{Collective, ReduceOp};
 use crate::reducer::ReduceOptions;
 use crate::{DdpConfig, DdpError, NonFinite, Result, UnevenInputs};
 
@@ -47,6 +47,41 @@ impl Agreement {
     /// Samples over all ranks.
     pub fn total(&self) -> u64 {
         self.samples.iter().sum()
+    }
+}
+
+/// Without a per-step agreement (not join mode), a rank out of batches waits in a barrier while a
+/// rank with a batch is in its gradient all-reduce: the process group reports a
+/// [`DdpError::Mismatch`] on both (a barrier is a collective no step issues), which is uneven data.
+/// `has_batch`: whether this rank had a batch (it was reducing). Each rank names itself and the
+/// first peer whose call differed; other errors pass through.
+pub(super) fn uneven(
+    err: DdpError,
+    rank: usize,
+    epoch: usize,
+    step: usize,
+    has_batch: bool,
+) -> DdpError {
+    match err {
+        DdpError::Mismatch {
+            op, peer, peer_op, ..
+        } if (has_batch && peer_op == Collective::Barrier)
+            || (!has_batch && op == Collective::Barrier) =>
+        {
+            let (exhausted, remaining) = if has_batch {
+                (vec![peer], vec![rank])
+            } else {
+                (vec![rank], vec![peer])
+            };
+            DdpError::UnevenData {
+                rank,
+                epoch,
+                step,
+                exhausted,
+                remaining,
+            }
+        }
+        other => other,
     }
 }
 
@@ -123,34 +158,6 @@ impl StepPolicy {
         }
     }
 
-    /// Checks that every rank has a batch, unless join mode lets ranks run out.
-    ///
-    /// # Errors
-    /// [`DdpError::UnevenData`] naming the ranks without a batch and those with one.
-    pub fn check_even(
-        &self,
-        agreement: &Agreement,
-        rank: usize,
-        epoch: usize,
-        step: usize,
-    ) -> Result<()> {
-        let with_batch: Vec<usize> = (0..agreement.samples.len())
-            .filter(|&r| agreement.samples[r] > 0)
-            .collect();
-        if self.join || with_batch.len() == agreement.samples.len() || with_batch.is_empty() {
-            return Ok(());
-        }
-        Err(DdpError::UnevenData {
-            rank,
-            epoch,
-            step,
-            exhausted: (0..agreement.samples.len())
-                .filter(|r| !with_batch.contains(r))
-                .collect(),
-            remaining: with_batch,
-        })
-    }
-
     /// How the ranks' gradients are combined for a step in which this rank had `samples` of the
     /// step's `total`: the average (each rank's mean gradient, averaged); in join mode each rank
     /// weighted by its share of the samples and summed, which is the mean over all the step's
@@ -169,6 +176,7 @@ impl StepPolicy {
             },
             clip_norm: self.clip_norm,
             check_finite: self.non_finite != NonFinite::Ignore,
+            stop: Default::default(),
         }
     }
 
@@ -190,14 +198,6 @@ impl StepPolicy {
 mod tests {
     use super::*;
 
-    fn agreement(samples: &[u64]) -> Agreement {
-        let words: Vec<u64> = samples
-            .iter()
-            .flat_map(|&s| Agreement::words(s as usize, false, None))
-            .collect();
-        Agreement::from_words(&words)
-    }
-
     #[test]
     fn the_agreement_round_trips_and_names_the_signalled_ranks() {
         let words: Vec<u64> = [
@@ -213,28 +213,59 @@ mod tests {
     }
 
     #[test]
-    fn uneven_batches_are_an_error_unless_joined() {
+    fn a_barrier_against_a_reduction_is_uneven_data_and_join_weights_by_samples() {
         let plain = StepPolicy::new(&DdpConfig::default(), 1).unwrap();
-        match plain.check_even(&agreement(&[4, 0, 4]), 2, 1, 7) {
-            Err(DdpError::UnevenData {
-                exhausted,
-                remaining,
-                step,
-                ..
-            }) => {
-                assert_eq!((exhausted, remaining, step), (vec![1], vec![0, 2], 7));
+        let mismatch = |rank, op, peer, peer_op| DdpError::Mismatch {
+            rank,
+            op,
+            seq: 9,
+            peer,
+            peer_op,
+            peer_seq: 9,
+        };
+        let reduce = Collective::AllReduce {
+            op: ReduceOp::Avg,
+            len: 10,
+        };
+        // Rank 2 was reducing, rank 1 waited in the end-of-data barrier: both say so.
+        for (err, has_batch) in [
+            (mismatch(2, reduce, 1, Collective::Barrier), true),
+            (mismatch(1, Collective::Barrier, 2, reduce), false),
+        ] {
+            let rank = if has_batch { 2 } else { 1 };
+            match uneven(err, rank, 3, 7, has_batch) {
+                DdpError::UnevenData {
+                    rank: r,
+                    epoch,
+                    step,
+                    exhausted,
+                    remaining,
+                } => assert_eq!(
+                    (r, epoch, step, exhausted, remaining),
+                    (rank, 3, 7, vec![1], vec![2])
+                ),
+                other => panic!("expected UnevenData, got {other:?}"),
             }
-            other => panic!("expected UnevenData, got {other:?}"),
         }
-        // Everyone done, or everyone with a batch: fine.
-        assert!(plain.check_even(&agreement(&[0, 0]), 0, 1, 7).is_ok());
-        assert!(plain.check_even(&agreement(&[3, 3]), 0, 1, 7).is_ok());
+        // Any other mismatch (two reductions of different lengths), or error, passes through.
+        let other = mismatch(
+            0,
+            reduce,
+            1,
+            Collective::AllReduce {
+                op: ReduceOp::Avg,
+                len: 11,
+            },
+        );
+        assert!(matches!(
+            uneven(other, 0, 1, 1, true),
+            DdpError::Mismatch { .. }
+        ));
         let join = StepPolicy::new(
             &DdpConfig::default().with_uneven_inputs(UnevenInputs::Join),
             1,
         )
         .unwrap();
-        assert!(join.check_even(&agreement(&[4, 0]), 0, 1, 7).is_ok());
         // Join weights by samples and sums; the default averages.
         let options = join.reduce_options(1, 4);
         assert_eq!((options.weight, options.op), (0.25, ReduceOp::Sum));

@@ -19,8 +19,10 @@ use burn::train::{
 use super::resume::{Resume, StepCheckpoints};
 use crate::ddp::DistributedDataParallel;
 use crate::group::ProcessGroup;
+use crate::group::counting::CountingGroup;
 use crate::metrics::{RankReport, TrainingReport};
 use crate::{DdpConfig, DdpError, Result};
+use std::sync::atomic::AtomicU64;
 
 pub(super) type ModelOutput<LC> = <TrainingModel<LC> as TrainStep>::Output;
 
@@ -127,6 +129,9 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
     ) -> Result<()> {
         // CUDA replicas reduce with NCCL, in GPU memory (the host group bootstraps it).
         self.group = crate::nccl::group_for_device(self.group.clone(), &self.device, &self.config)?;
+        // Every collective of this rank from here on is counted (RankReport::collectives).
+        let collectives = Arc::new(AtomicU64::new(0));
+        self.group = Arc::new(CountingGroup::new(self.group.clone(), collectives.clone()));
         // SyncBatchNorm layers synchronise with this rank's group.
         let _current =
             crate::sync_bn::enter_process_group(self.group.clone(), self.config.timeout());
@@ -172,7 +177,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 detail,
             });
         }
-        let result = self.train_epochs(&mut ddp, report);
+        let result = self.train_epochs(&mut ddp, report, &collectives);
         // Counters also on failure: they tell how far the rank got.
         report.comm = ddp.comm_stats().clone();
         result?;

@@ -6,8 +6,6 @@
 //! `--workers 1` trains with plain Burn on one device, the reference. Under the launcher
 //! (`burn-ddp run --nproc-per-node N -- fashion-mnist ...`) each process is one replica.
 
-#[cfg(feature = "cuda")]
-mod gpu_check;
 mod printer;
 
 use std::path::PathBuf;
@@ -23,10 +21,12 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::train::logger::InMemoryMetricLogger;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ExecutionStrategy, Learner, SupervisedTraining};
+use burn_ddp::advanced::Topology;
 use burn_ddp::checkpoint::AtomicRecorder;
+use burn_ddp::group::TcpGroupOptions;
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler,
-    TcpGroup, TcpGroupOptions, Topology,
+    TcpGroup,
 };
 use clap::{Parser, ValueEnum};
 
@@ -113,11 +113,6 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    // `fashion-mnist gpu-check`: the GPU checks of `cargo xtask gpu-check` (one binary ships).
-    let raw: Vec<String> = std::env::args().skip(1).collect();
-    if raw.first().map(String::as_str) == Some("gpu-check") {
-        return gpu_check(&raw[1..]);
-    }
     let args = Args::parse();
     match run_with_backend(&args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -132,24 +127,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-#[cfg(feature = "cuda")]
-fn gpu_check(args: &[String]) -> ExitCode {
-    match gpu_check::run(args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn gpu_check(_args: &[String]) -> ExitCode {
-    eprintln!("error: {NO_CUDA}");
-    ExitCode::FAILURE
 }
 
 /// Why the example ended early.
@@ -324,11 +301,11 @@ fn train<B: AutodiffBackend>(
     B::seed(&device, args.seed);
     let model = Cnn::<B>::new(&device);
     // Burn creates parameters lazily; create them now, from the seed, on this thread.
-    let _ = burn_ddp::value_fingerprint(&model);
+    let _ = burn_ddp::advanced::value_fingerprint(&model);
 
     // Resume from the newest complete checkpoint when asked, or when the launcher restarted us.
-    let restarted =
-        std::env::var(burn_ddp::topology::RESTART_COUNT_VAR).is_ok_and(|count| count != "0");
+    let restarted = std::env::var(burn_ddp::advanced::topology::RESTART_COUNT_VAR)
+        .is_ok_and(|count| count != "0");
     let resume = args.resume || restarted;
 
     let train_len = train_items.len();
@@ -403,7 +380,8 @@ fn train<B: AutodiffBackend>(
     for rank in &report.ranks {
         println!(
             "  rank {}: {} batches, compute {:.1} s, communication {:.2} s ({:.1} MiB all-reduced, \
-             {:.2} s in all-reduce, {:.2} s per-step agreement), optimizer {:.2} s",
+             {:.2} s in all-reduce, {:.2} s agreement; {:.2} collectives per step), optimizer \
+             {:.2} s",
             rank.rank,
             rank.batches,
             rank.compute.as_secs_f64(),
@@ -411,6 +389,7 @@ fn train<B: AutodiffBackend>(
             rank.comm.bytes as f64 / (1024.0 * 1024.0),
             rank.comm.all_reduce.as_secs_f64(),
             rank.coordination.as_secs_f64(),
+            rank.collectives_per_step(),
             rank.optimizer.as_secs_f64(),
         );
     }
@@ -419,5 +398,5 @@ fn train<B: AutodiffBackend>(
 
 /// Whether a launcher may restart this job (then checkpoints are written so it can resume).
 fn job_restartable() -> bool {
-    std::env::var(burn_ddp::topology::LAUNCHER_VAR).is_ok()
+    std::env::var(burn_ddp::advanced::topology::LAUNCHER_VAR).is_ok()
 }

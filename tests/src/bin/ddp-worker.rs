@@ -24,8 +24,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn_ddp::launch::{LaunchConfig, launch};
-use burn_ddp::{DdpConfig, ProcessGroup, TcpGroup, TcpGroupOptions, Topology};
+use burn_ddp::advanced::Topology;
+use burn_ddp::advanced::launch::{LaunchConfig, launch};
+use burn_ddp::group::TcpGroupOptions;
+use burn_ddp::{DdpConfig, ProcessGroup, TcpGroup};
 use burn_ddp_tests::{STEP_HOOK, train_example_cnn_for, write_tensors};
 
 struct Args {

@@ -1,6 +1,7 @@
-//! `fashion-mnist gpu-check`: the checks of the CUDA path that need a GPU, as one JSON summary.
+//! `gpu-check`: the checks of the CUDA path that need a GPU, as one JSON summary.
 //!
-//! Built and shipped by `cargo xtask gpu-check` (one stripped binary and a script); run on a
+//! Built and shipped by `cargo xtask gpu-check` (this binary and the example's, stripped, with a
+//! script); run on a
 //! machine with one GPU, so NCCL runs with a world size of 1. Over one rank an in-place sum is a
 //! no-op for NCCL, so the value checks run **out of place**, from a bucket into a zeroed output
 //! (a real copy through the pointers the group computed), and look at the output's neighbours:
@@ -14,7 +15,8 @@
 //!    slices of a larger buffer (sizes from 1 to 4 Mi values, at varying offsets) into slices of
 //!    a freshly zeroed buffer, each read by Burn right after: a missed synchronisation reads zeros
 //!    or stale values, a wrong pointer or offset reads or writes the wrong place.
-//! 3. `training`: one epoch of the example with `--workers 1` (plain Burn) and with
+//! 3. `training`: one epoch of the example (the `fashion-mnist` binary beside this one, or
+//!    `--example PATH`) with `--workers 1` (plain Burn) and with
 //!    `--workers 1 --ddp` (DdpStrategy), each in its own process, after a short warm-up run (kernel
 //!    compilation and autotune caches), in the order plain, ddp, ddp, plain; the ratio of their
 //!    mean step times.
@@ -22,7 +24,8 @@
 //! With `--out FILE` the summary is rewritten after every phase, so a run cut short keeps what
 //! finished.
 
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,32 +33,62 @@ use burn::backend::Cuda;
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
-use burn_ddp::GradientCompression;
 use burn_ddp::ThreadGroup;
+use burn_ddp::config::GradientCompression;
 use burn_ddp::group::{ProcessGroup, ReduceOp};
 use burn_ddp::nccl::{NcclGroup, NcclIdSource};
+use clap::Parser;
 use serde_json::{Value, json};
+
+/// The checks of burn-ddp's CUDA path that need a GPU (NCCL with a world size of 1, the reducer,
+/// a training-step ratio against plain Burn); prints one JSON summary.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Fashion-MNIST's four IDX files, for the training phase (default: the example's search).
+    #[arg(long)]
+    data: Option<String>,
+    /// Also write the summary here, rewritten after every phase.
+    #[arg(long)]
+    out: Option<String>,
+    /// Consecutive all-reduces in the `steps` phase.
+    #[arg(long, default_value_t = 1000)]
+    steps: usize,
+    /// Skip the training phase.
+    #[arg(long)]
+    skip_training: bool,
+    /// The example binary the training phase runs (default: `fashion-mnist` beside this one).
+    #[arg(long)]
+    example: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,burn_ddp=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(&Args::parse()) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
 
 /// burn-cuda without fusion: the other tensor type the group resolves.
 type CudaPlain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Runs the checks; `args` are the arguments after `gpu-check` (`--data DIR`, `--out FILE`,
-/// `--steps N`, `--skip-training`). Prints the JSON summary and returns whether every check
-/// passed.
-pub fn run(args: &[String]) -> Result<bool, String> {
-    let value = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let steps: usize =
-        value("--steps").map_or(Ok(1000), |s| s.parse().map_err(|e| format!("--steps: {e}")))?;
-    let data = value("--data");
-    let out = value("--out");
-    let skip_training = args.iter().any(|a| a == "--skip-training");
+/// Runs the checks, prints the JSON summary and returns whether every check passed.
+fn run(args: &Args) -> Result<bool, String> {
+    let (steps, data, out) = (args.steps, args.data.clone(), args.out.clone());
+    let skip_training = args.skip_training;
 
     let mut summary = json!({"passed": false});
     let save = |summary: &Value| {
@@ -85,7 +118,7 @@ pub fn run(args: &[String]) -> Result<bool, String> {
             return Err(e.to_string());
         }
     };
-    summary["nccl_version"] = burn_ddp::nccl::api::version_string(group.nccl_version()).into();
+    summary["nccl_version"] = burn_ddp::nccl::version_string(group.nccl_version()).into();
     summary["nccl_init_s"] = started.elapsed().as_secs_f64().into();
     save(&summary);
 
@@ -106,7 +139,13 @@ pub fn run(args: &[String]) -> Result<bool, String> {
     let training = if skip_training {
         json!({"skipped": true})
     } else {
-        training_ratio(data.as_deref())
+        match &args.example {
+            Some(example) => training_ratio(example, data.as_deref()),
+            None => match std::env::current_exe() {
+                Ok(exe) => training_ratio(&exe.with_file_name("fashion-mnist"), data.as_deref()),
+                Err(e) => json!({"error": e.to_string()}),
+            },
+        }
     };
     let training_ok = training.get("error").is_none();
     summary["training"] = training;
@@ -325,7 +364,8 @@ fn consecutive_steps(group: &NcclGroup, steps: usize) -> Value {
 fn reducer_steps(group: Arc<NcclGroup>, steps: usize) -> Value {
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::GradientsParams;
-    use burn_ddp::{DdpConfig, ReduceOptions, Reducer, ReplicaLayout};
+    use burn_ddp::DdpConfig;
+    use burn_ddp::advanced::{ReduceOptions, Reducer, ReplicaLayout};
     type Ad = burn::backend::Autodiff<Cuda>;
     let device = CudaDevice::new(0);
     let layer: Linear<Ad> = LinearConfig::new(300, 200).init(&device);
@@ -473,9 +513,9 @@ fn output_within(mut command: Command, timeout: Duration) -> std::io::Result<std
     })
 }
 
-/// One run of this binary as the example; `(samples/s, train loss)`.
+/// One run of the example; `(samples/s, train loss)`.
 fn train_once(
-    exe: &std::path::Path,
+    exe: &Path,
     name: &str,
     ddp: bool,
     data: Option<&str>,
@@ -510,13 +550,12 @@ fn train_once(
     }
 }
 
-fn training_ratio(data: Option<&str>) -> Value {
-    let exe = match std::env::current_exe() {
-        Ok(exe) => exe,
-        Err(e) => return json!({"error": e.to_string()}),
-    };
+fn training_ratio(exe: &Path, data: Option<&str>) -> Value {
+    if !exe.is_file() {
+        return json!({"error": format!("no example binary at {} (--example)", exe.display())});
+    }
     // Warm-up: CubeCL compiles kernels and fills its autotune cache on first use.
-    if let Err(e) = train_once(&exe, "warm-up", true, data, &["--train-limit", "6400"]) {
+    if let Err(e) = train_once(exe, "warm-up", true, data, &["--train-limit", "6400"]) {
         return json!({"error": e});
     }
     let mut runs = Vec::new();
@@ -527,7 +566,7 @@ fn training_ratio(data: Option<&str>) -> Value {
         ("ddp-2", true),
         ("plain-2", false),
     ] {
-        match train_once(&exe, name, is_ddp, data, &[]) {
+        match train_once(exe, name, is_ddp, data, &[]) {
             Ok((rate, loss)) => {
                 runs.push(json!({"run": name, "samples_per_s": rate, "train_loss": loss}));
                 if is_ddp { &mut ddp } else { &mut plain }.push(rate);

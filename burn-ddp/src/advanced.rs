@@ -1,0 +1,36 @@
+//! The machinery under [`DdpStrategy`](crate::DdpStrategy) and
+//! [`DistributedDataParallel`](crate::DistributedDataParallel), for custom training loops,
+//! launchers and tests: the gradient [`Reducer`] and its bucket layout, the replica checks
+//! (layouts, fingerprints, broadcasts), the rendezvous [`store`], the [`topology`] read from the
+//! environment, and the [`launch`]er behind the `burn-ddp` binary. A Burn training needs none of
+//! it; these items may change between minor versions more readily than the crate root's.
+
+pub use crate::reducer::compress;
+pub use crate::reducer::{Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer, StopVote};
+pub use crate::replica::{
+    LayoutFingerprints, Replica, ReplicaLayout, ReplicaView, TensorKind, TensorSpec,
+    average_buffers, broadcast_buffers, broadcast_module, fingerprints_of, tensor_fingerprints,
+    value_fingerprint, verify_values_across,
+};
+pub use crate::sync_bn::SyncBatchNormGuard;
+pub use crate::topology::{Topology, TopologySource};
+
+/// The launcher: one worker process per device on this machine, as `torchrun` starts them.
+pub mod launch {
+    pub use crate::launch::*;
+}
+
+/// The rendezvous: ranks find each other through the store.
+pub mod rendezvous {
+    pub use crate::rendezvous::*;
+}
+
+/// The key-value store of the rendezvous (`torch.distributed.TCPStore`).
+pub mod store {
+    pub use crate::store::*;
+}
+
+/// The job's shape read from the environment (torchrun, Slurm, Open MPI, the launcher).
+pub mod topology {
+    pub use crate::topology::*;
+}

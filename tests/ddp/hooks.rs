@@ -1,0 +1,106 @@
+//! Communication hooks (PyTorch's `register_comm_hook`): the strategy reduces every bucket
+//! through the configured hook, and the checks run on what it returns.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use burn::optim::SgdConfig;
+use burn_ddp::config::GradientCompression;
+use burn_ddp::group::ReduceOp;
+use burn_ddp::hooks::{CommHook, HookReport, HostBucket};
+use burn_ddp::{DdpConfig, ProcessGroup};
+use burn_ddp_tests::{
+    Mlp, Run, device, float_tensors, materialized, max_relative_difference, run_training,
+};
+
+/// A user's hook: sums the gradients instead of averaging them (the bookkeeping after them is
+/// reduced with `op`, as the contract asks), and counts its calls.
+#[derive(Debug, Default)]
+struct SumHook {
+    calls: AtomicU64,
+}
+
+impl CommHook for SumHook {
+    fn name(&self) -> String {
+        "sum".into()
+    }
+
+    fn reduce(
+        &self,
+        group: &dyn ProcessGroup,
+        buckets: &mut [HostBucket<'_>],
+        op: ReduceOp,
+        timeout: Duration,
+        report: &mut HookReport,
+    ) -> burn_ddp::Result<()> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        for bucket in buckets.iter_mut() {
+            group.all_reduce(bucket.buffer, ReduceOp::Sum, timeout)?;
+            if op == ReduceOp::Avg {
+                let n = group.world_size() as f32;
+                bucket.buffer[bucket.gradients..]
+                    .iter_mut()
+                    .for_each(|v| *v /= n);
+            }
+            report.bytes += 4 * bucket.buffer.len();
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_user_hook_that_sums_is_what_the_replicas_train_with() {
+    let model = materialized(Mlp::new(&device()));
+    let steps = 20;
+    let mut run = Run::new(Some(2), 32, steps * 32);
+    // Averaged gradients at learning rate 0.2 ...
+    let (averaged, _) = run_training(model.clone(), SgdConfig::new().init(), 0.2, &run).unwrap();
+    let (plain, _) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    // ... are summed gradients (of 2 replicas) at 0.1.
+    let hook = Arc::new(SumHook::default());
+    run.config = DdpConfig::default().with_comm_hook(hook.clone());
+    let (summed, report) = run_training(model, SgdConfig::new().init(), 0.1, &run).unwrap();
+    let diff = max_relative_difference(&summed, &averaged);
+    assert!(
+        diff <= 1e-6,
+        "sum at lr 0.1 differs from average at lr 0.2 by {diff}"
+    );
+    let effect = max_relative_difference(&summed, &plain);
+    assert!(effect > 1e-3, "the hook changed nothing ({effect})");
+    // One call per rank and step (the two thread replicas share the hook).
+    assert_eq!(hook.calls.load(Ordering::Relaxed), 2 * steps as u64);
+    for rank in &report.unwrap().ranks {
+        assert_eq!(rank.comm.steps, steps as u64);
+    }
+}
+
+#[test]
+fn sixteen_bit_compression_trains_within_its_rounding_on_host_groups() {
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let mut run = Run::new(Some(2), 32, 20 * 32);
+    let (exact, exact_report) =
+        run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    for compression in [GradientCompression::Bf16, GradientCompression::F16] {
+        run.config = DdpConfig::default().with_gradient_compression(compression);
+        let (compressed, report) =
+            run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+        let moved = max_relative_difference(&exact, &initial);
+        let diff = max_relative_difference(&compressed, &exact);
+        // bf16 keeps 8 significant bits (relative rounding 2^-9), f16 11 (2^-12), per step;
+        // 20 steps of small updates stay far below the distance trained.
+        assert!(
+            diff > 0.0 && diff < moved / 20.0,
+            "{compression:?}: {diff} from f32 (trained {moved})"
+        );
+        let (bytes, exact_bytes) = (
+            report.unwrap().ranks[0].comm.bytes,
+            exact_report.as_ref().unwrap().ranks[0].comm.bytes,
+        );
+        assert!(
+            (bytes as f64) < 0.6 * exact_bytes as f64,
+            "{compression:?}: {bytes} bytes sent, {exact_bytes} in f32"
+        );
+    }
+}
