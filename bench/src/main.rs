@@ -48,6 +48,9 @@ struct Cli {
     /// Skip the all-reduce and bucket sweeps.
     #[arg(long)]
     skip_collectives: bool,
+    /// Skip the loader prefetch comparison.
+    #[arg(long)]
+    skip_prefetch: bool,
     /// Models to train, comma-separated: `cnn`, `mlp` (default: both), `mlp-frozen` (the MLP
     /// with 56% of its parameters frozen).
     #[arg(long, value_delimiter = ',', value_parser = parse_model)]
@@ -220,6 +223,46 @@ fn processes(kind: ModelKind, n: usize, plan: &Plan) -> Throughput {
     result.unwrap_or_else(|e| failed(format!("no result from rank 0: {e}")))
 }
 
+/// The CNN on one replica whose batcher costs about a quarter of a step (a spinning synthetic
+/// decode, calibrated on a run without it), with 0, 1 and 2 loader workers, interleaved.
+fn prefetch(plan: &Plan, round_count: usize) -> Vec<training::PrefetchRun> {
+    use training::{Loader, PrefetchRun};
+    eprintln!("loader prefetch: calibrating the step time");
+    let calibration = training::run_with_loader(plan, Loader::default());
+    if calibration.samples_per_second <= 0.0 {
+        return Vec::new();
+    }
+    let step = Duration::from_secs_f64(plan.global_batch as f64 / calibration.samples_per_second);
+    // A quarter of the step with decoding: d = (s + d) / 4, so d = s / 3.
+    let per_batch = step / 3;
+    let per_sample = per_batch / plan.global_batch as u32;
+    let workers = [0usize, 1, 2];
+    let mut rounds: Vec<Vec<Throughput>> = vec![Vec::new(); workers.len()];
+    for round in 0..round_count {
+        for (i, &w) in workers.iter().enumerate() {
+            eprintln!("loader prefetch: {w} worker(s), round {}", round + 1);
+            let loader = Loader {
+                workers: w,
+                decode_per_sample: per_sample,
+            };
+            let result = training::run_with_loader(plan, loader);
+            eprintln!("  {:.1} samples/s", result.samples_per_second);
+            rounds[i].push(result);
+        }
+    }
+    workers
+        .iter()
+        .zip(rounds)
+        .filter_map(|(&w, runs)| {
+            training::merge_rounds(runs).map(|run| PrefetchRun {
+                workers: w,
+                decode_ms_per_batch: per_batch.as_secs_f64() * 1e3,
+                run,
+            })
+        })
+        .collect()
+}
+
 fn bench(cli: &Cli) -> Results {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let plan = if cli.long {
@@ -293,6 +336,9 @@ fn bench(cli: &Cli) -> Results {
                 .throughput
                 .extend(rounds.into_iter().filter_map(training::merge_rounds));
         }
+    }
+    if !cli.skip_prefetch {
+        results.prefetch = prefetch(&plan, round_count);
     }
     for &kind in &models {
         results

@@ -84,6 +84,9 @@ pub struct Results {
     pub projection: Vec<Projection>,
     /// Links of the projection.
     pub links: Vec<Link>,
+    /// Loader prefetch: the same training with a costly batcher and 0 or more loader workers.
+    #[serde(default)]
+    pub prefetch: Vec<crate::training::PrefetchRun>,
 }
 
 fn mib(bytes: usize) -> String {
@@ -196,6 +199,33 @@ impl Results {
             "| both | Burn `ExecutionStrategy::ddp` | - | - | - | skipped: needs Burn's `distributed` feature, whose `DistributedBackend` the CPU backends lack (CUDA only) | - | - |\n"
         );
 
+        if !self.prefetch.is_empty() {
+            let _ = writeln!(
+                md,
+                "## Loader prefetch (DistributedDataLoader::with_num_workers)\n\n\
+                 One burn-ddp replica training the CNN; the batcher spins the CPU for a synthetic \
+                 decode costing about a quarter of a step. Samples/s is the median of the timed \
+                 windows over every round (runs interleaved); the ratio is against 0 workers, \
+                 paired round by round.\n"
+            );
+            let _ = writeln!(
+                md,
+                "| loader workers | decode ms per batch | samples/s | vs 0 workers (median of rounds) |"
+            );
+            let _ = writeln!(md, "| --- | --- | --- | --- |");
+            let base = self.prefetch.iter().find(|p| p.workers == 0);
+            for p in &self.prefetch {
+                let ratio = base
+                    .map(|b| crate::training::paired_ratio(&p.run, &b.run))
+                    .map_or("-".to_string(), |r| format!("x{r:.2}"));
+                let _ = writeln!(
+                    md,
+                    "| {} | {:.1} | {:.1} | {} |",
+                    p.workers, p.decode_ms_per_batch, p.run.samples_per_second, ratio
+                );
+            }
+            let _ = writeln!(md);
+        }
         let _ = writeln!(md, "## All-reduce (2 ranks, average)\n");
         let _ = writeln!(
             md,

@@ -178,6 +178,76 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// The training loader's workers and the synthetic decode cost of its batcher.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Loader {
+    /// `DistributedDataLoader::with_num_workers`.
+    pub workers: usize,
+    /// CPU time the batcher spins per sample (a stand-in for decoding an image).
+    pub decode_per_sample: Duration,
+}
+
+/// The batch of the example, after spinning the CPU `per_sample` for every sample.
+#[derive(Clone)]
+struct CostlyBatcher {
+    per_sample: Duration,
+}
+
+impl<Bk: burn::tensor::backend::Backend>
+    burn::data::dataloader::batcher::Batcher<Bk, fashion_mnist::data::FashionItem, FashionBatch<Bk>>
+    for CostlyBatcher
+{
+    fn batch(
+        &self,
+        items: Vec<fashion_mnist::data::FashionItem>,
+        device: &Bk::Device,
+    ) -> FashionBatch<Bk> {
+        let until = Instant::now() + self.per_sample * items.len() as u32;
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+        FashionBatcher.batch(items, device)
+    }
+}
+
+/// One row of the prefetch comparison.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrefetchRun {
+    /// Loader workers per replica.
+    pub workers: usize,
+    /// Synthetic decode time per batch, in milliseconds.
+    pub decode_ms_per_batch: f64,
+    /// The run (every round's windows).
+    pub run: Throughput,
+}
+
+/// The median over rounds of `run`'s round median divided by `base`'s (rounds paired in order).
+pub fn paired_ratio(run: &Throughput, base: &Throughput) -> f64 {
+    let ratios: Vec<f64> = run
+        .round_medians
+        .iter()
+        .zip(&base.round_medians)
+        .filter(|(_, b)| **b > 0.0)
+        .map(|(r, b)| r / b)
+        .collect();
+    median(&ratios)
+}
+
+/// The CNN on one burn-ddp replica with `loader`.
+pub fn run_with_loader(plan: &Plan, loader: Loader) -> Throughput {
+    let device = Default::default();
+    let model = fashion_mnist::model::Cnn::<B>::new(&device);
+    let _ = burn_ddp::advanced::value_fingerprint(&model);
+    run_model(
+        ModelKind::Cnn,
+        model,
+        Strategy::DdpThreads(1),
+        plan,
+        None,
+        loader,
+    )
+}
+
 /// Trains `kind` with `strategy` in this process (`group`: this process is one rank of a
 /// multi-process job) and times it.
 pub fn run(
@@ -186,22 +256,23 @@ pub fn run(
     plan: &Plan,
     group: Option<Arc<dyn ProcessGroup>>,
 ) -> Throughput {
+    let loader = Loader::default();
     let device = Default::default();
     match kind {
         ModelKind::Cnn => {
             let model = fashion_mnist::model::Cnn::<B>::new(&device);
             let _ = burn_ddp::advanced::value_fingerprint(&model);
-            run_model(kind, model, strategy, plan, group)
+            run_model(kind, model, strategy, plan, group, loader)
         }
         ModelKind::Mlp => {
             let model = BigMlp::<B>::new(&device);
             let _ = burn_ddp::advanced::value_fingerprint(&model);
-            run_model(kind, model, strategy, plan, group)
+            run_model(kind, model, strategy, plan, group, loader)
         }
         ModelKind::MlpFrozen => {
             let model = BigMlp::<B>::new(&device);
             let _ = burn_ddp::advanced::value_fingerprint(&model);
-            run_model(kind, model.frozen_half(), strategy, plan, group)
+            run_model(kind, model.frozen_half(), strategy, plan, group, loader)
         }
     }
 }
@@ -212,6 +283,7 @@ fn run_model<M>(
     strategy: Strategy,
     plan: &Plan,
     group: Option<Arc<dyn ProcessGroup>>,
+    loader: Loader,
 ) -> Throughput
 where
     M: TrainStep<Input = FashionBatch<B>, Output = ClassificationOutput<B>>
@@ -240,9 +312,12 @@ where
             .batch_size(per_replica)
             .build(InMemDataset::new(synthetic_images(samples))),
         _ => match DistributedSampler::new(samples, n).and_then(|sampler| {
-            DistributedDataLoader::new(items, FashionBatcher, sampler, per_replica, device)
+            let batcher = CostlyBatcher {
+                per_sample: loader.decode_per_sample,
+            };
+            DistributedDataLoader::new(items, batcher, sampler, per_replica, device)
         }) {
-            Ok(loader) => Arc::new(loader),
+            Ok(distributed) => Arc::new(distributed.with_num_workers(loader.workers)),
             Err(e) => return failed(kind, strategy, e.to_string()),
         },
     };

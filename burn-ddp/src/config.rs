@@ -15,6 +15,13 @@ pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
 /// first): 1 MiB, PyTorch's `torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`.
 pub const DEFAULT_FIRST_BUCKET_CAP_BYTES: usize = 1024 * 1024;
 
+/// Steps between two sends of the step outputs to rank 0 in process mode (for burn-train's
+/// metrics): 20, so a step stays one collective on 19 steps in 20 and rank 0's progress lags by
+/// at most 20 steps.
+pub const DEFAULT_METRICS_EVERY: usize = 20;
+
+pub use crate::sampler::DEFAULT_PREFETCH_FACTOR;
+
 /// Default timeout of the collectives that wait while rank 0 validates and writes checkpoints at
 /// the end of an epoch: 30 minutes (PyTorch's Gloo default timeout).
 pub const DEFAULT_EPOCH_END_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -49,6 +56,9 @@ pub struct DdpConfig {
     checkpoint_every: u64,
     stop_on_signal: bool,
     comm_hook: Option<std::sync::Arc<dyn crate::hooks::CommHook>>,
+    validation: Validation,
+    metrics_every: usize,
+    summary: bool,
 }
 
 impl PartialEq for DdpConfig {
@@ -70,6 +80,9 @@ impl PartialEq for DdpConfig {
             && self.checkpoint_every == other.checkpoint_every
             && self.stop_on_signal == other.stop_on_signal
             && hook(self) == hook(other)
+            && self.validation == other.validation
+            && self.metrics_every == other.metrics_every
+            && self.summary == other.summary
     }
 }
 
@@ -104,6 +117,24 @@ pub enum BufferSync {
     None,
 }
 
+/// Where validation runs at the end of every epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Validation {
+    /// Every rank validates its shard of the validation set (contiguous slices whose sizes differ
+    /// by at most one item: no padding, no item counted twice) and rank 0 reports the joined
+    /// outputs of each step, so its metrics equal single-device validation on the whole set. The
+    /// default. Needs an output type burn-ddp can join
+    /// ([`DistributedOutput`](crate::outputs::DistributedOutput): burn-train's
+    /// classification, multi-label and regression outputs); for any other, validation falls back
+    /// to `Rank0` with a warning.
+    #[default]
+    Sharded,
+    /// Rank 0 validates the whole set while the other ranks wait, as single-device training
+    /// does: for metrics that cannot be computed from joined outputs (a metric that keeps state
+    /// across items in an order-dependent way, or an output type without a codec).
+    Rank0,
+}
+
 /// What to do when ranks do not have the same number of batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum UnevenInputs {
@@ -136,6 +167,9 @@ impl Default for DdpConfig {
             checkpoint_every: 0,
             stop_on_signal: true,
             comm_hook: None,
+            validation: Validation::default(),
+            metrics_every: DEFAULT_METRICS_EVERY,
+            summary: true,
         }
     }
 }
@@ -253,6 +287,44 @@ impl DdpConfig {
         self
     }
 
+    /// Where validation runs (default [`Validation::Sharded`]: every rank validates its shard,
+    /// rank 0 reports metrics over the whole set).
+    pub fn with_validation(mut self, validation: Validation) -> Self {
+        self.validation = validation;
+        self
+    }
+
+    /// Where validation runs.
+    pub fn validation(&self) -> Validation {
+        self.validation
+    }
+
+    /// Process mode: the ranks send their step outputs to rank 0 (for burn-train's metrics and
+    /// renderer) every `steps` steps and at the end of every epoch (default
+    /// [`DEFAULT_METRICS_EVERY`]; 0 counts as 1). Threads send theirs at once.
+    pub fn with_metrics_every(mut self, steps: usize) -> Self {
+        self.metrics_every = steps.max(1);
+        self
+    }
+
+    /// Steps between two sends of the step outputs to rank 0 (process mode).
+    pub fn metrics_every(&self) -> usize {
+        self.metrics_every
+    }
+
+    /// Whether rank 0 prints the end-of-training summary (samples/s per epoch; per rank compute,
+    /// communication and optimizer time) to stderr (default `true`). The same figures are in
+    /// [`DdpStrategy::report`](crate::DdpStrategy::report).
+    pub fn with_summary(mut self, summary: bool) -> Self {
+        self.summary = summary;
+        self
+    }
+
+    /// Whether rank 0 prints the end-of-training summary.
+    pub fn summary(&self) -> bool {
+        self.summary
+    }
+
     /// Reduces the gradient buckets with `hook` instead of the built-in all-reduce (PyTorch's
     /// `register_comm_hook`; see [`hooks`](crate::hooks)). Every rank must install the same hook
     /// (its [name](crate::hooks::CommHook::name) is compared at start-up). The NaN/infinity
@@ -345,7 +417,7 @@ impl DdpConfig {
     /// across ranks at start-up.
     pub(crate) fn semantics_fingerprint(&self) -> u64 {
         let text = format!(
-            "{} {} {:?} {:?} {:?} {:?} {:?} {:?} {} {}",
+            "{} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {} {}",
             self.bucket_cap_bytes,
             self.first_bucket_cap_bytes,
             self.clip_grad_norm.map(f32::to_bits),
@@ -354,6 +426,7 @@ impl DdpConfig {
             self.buffer_sync,
             self.gradient_compression,
             self.comm_hook.as_ref().map(|h| h.name()),
+            (self.validation, self.metrics_every),
             // Both run collectives at their cadence.
             self.consistency_check_every,
             self.checkpoint_every
@@ -434,6 +507,9 @@ impl fmt::Display for DdpConfig {
         }
         if self.resume {
             f.write_str(", resume")?;
+        }
+        if self.validation == Validation::Rank0 {
+            f.write_str(", validation on rank 0")?;
         }
         if self.consistency_check_every > 0 {
             write!(

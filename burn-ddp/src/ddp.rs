@@ -146,6 +146,12 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         )
     }
 
+    /// The last [`sync_gradients_with`](Self::sync_gradients_with) was an end-of-data check
+    /// (every rank out of data): not counted as a gradient synchronisation.
+    pub(crate) fn uncount_step(&mut self) {
+        self.reducer.uncount_step();
+    }
+
     /// Copies rank 0's parameters and buffers into every rank's `module` again (one broadcast).
     ///
     /// # Errors

@@ -34,10 +34,11 @@ use crate::{DdpError, Result};
 pub struct HostBucket<'a> {
     /// Its position among the step's buckets (all-reduce order), from 0.
     pub index: usize,
-    /// This rank's values: `gradients` `f32` gradients, then (in the first bucket) the
-    /// reducer's bookkeeping: one presence flag per parameter and the step's control words,
-    /// small non-negative integers that must come back exactly reduced (summed, or averaged
-    /// with [`ReduceOp::Avg`]).
+    /// This rank's values: `gradients` `f32` gradients, then, in the first bucket and only for
+    /// a hook whose [`reduces_bookkeeping`](CommHook::reduces_bookkeeping) is `true` (the
+    /// built-in ones), the reducer's bookkeeping: one presence flag per parameter and the step's
+    /// control words, small non-negative integers that must come back exactly reduced (summed,
+    /// or averaged with [`ReduceOp::Avg`]). Other hooks get the gradients only.
     pub buffer: &'a mut [f32],
     /// The number of gradient values at the start of `buffer`.
     pub gradients: usize,
@@ -82,6 +83,15 @@ pub trait CommHook: Send + Sync + fmt::Debug {
         timeout: Duration,
         report: &mut HookReport,
     ) -> Result<()>;
+
+    /// Whether the hook also reduces the reducer's bookkeeping (presence flags, control words)
+    /// after the first bucket's gradients, exactly. Default `false`: the hook sees the
+    /// gradients only and the reducer reduces the bookkeeping itself, with one small all-reduce
+    /// more per step, so a hook can never leave the ranks disagreeing on which tensors have
+    /// gradients or whether to stop.
+    fn reduces_bookkeeping(&self) -> bool {
+        false
+    }
 }
 
 /// The default hook: one `f32` all-reduce per bucket, exact (the result is the ranks' sum in
@@ -92,6 +102,10 @@ pub struct AllReduce;
 impl CommHook for AllReduce {
     fn name(&self) -> String {
         "all_reduce".into()
+    }
+
+    fn reduces_bookkeeping(&self) -> bool {
+        true
     }
 
     fn reduce(
@@ -150,6 +164,10 @@ impl Compress16 {
 impl CommHook for Compress16 {
     fn name(&self) -> String {
         format!("compress16({})", self.format)
+    }
+
+    fn reduces_bookkeeping(&self) -> bool {
+        true
     }
 
     fn reduce(

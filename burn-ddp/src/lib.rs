@@ -24,14 +24,17 @@
 pub mod advanced;
 pub mod checkpoint;
 pub mod config;
+mod context;
 mod ddp;
 mod error;
 pub mod group;
 pub mod hooks;
 mod launch;
+mod log;
 pub mod lr;
 pub mod metrics;
 pub mod nccl;
+pub mod outputs;
 mod partition;
 mod reducer;
 mod rendezvous;
@@ -48,6 +51,7 @@ mod topology;
 // each; everything else (the reducer, replica checks, store, rendezvous, topology, launcher) is
 // under `advanced`.
 pub use config::DdpConfig;
+pub use context::{is_main_process, rank, world_size};
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
 pub use group::{ProcessGroup, TcpGroup, ThreadGroup};
@@ -57,7 +61,7 @@ pub use strategy::{DdpStrategy, DdpTraining};
 pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};
 
 // Short paths for the crate's own modules.
-pub(crate) use config::{BufferSync, NonFinite, UnevenInputs};
+pub(crate) use config::{BufferSync, NonFinite, UnevenInputs, Validation};
 
 /// The README's code blocks, compiled as doc-tests so they stay true.
 #[cfg(doctest)]

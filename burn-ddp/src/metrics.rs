@@ -3,6 +3,13 @@
 //! Times are wall-clock durations measured on the rank's thread. On asynchronous devices (CUDA)
 //! a phase's time includes waiting for the device work queued before it.
 
+use burn::train::logger::MetricLogger;
+use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
+use burn::train::metric::{MetricDefinition, NumericEntry};
+use burn::train::renderer::{
+    EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
+    MetricsRendererTraining, ProgressType, TrainingProgress,
+};
 use std::fmt;
 use std::time::Duration;
 
@@ -120,7 +127,8 @@ impl fmt::Display for TrainingReport {
             writeln!(
                 f,
                 "  rank {}: {} batches, compute {:.2} s, gradient sync {:.2} s (all-reduce {:.2} s, \
-                 flatten {:.2} s, unflatten {:.2} s, {:.1} MiB), agreement {:.2} s, optimizer {:.2} s",
+                 flatten {:.2} s, unflatten {:.2} s, {:.1} MiB), agreement {:.2} s, optimizer {:.2} s, \
+                 {:.2} collectives per step",
                 r.rank,
                 r.batches,
                 r.compute.as_secs_f64(),
@@ -131,8 +139,166 @@ impl fmt::Display for TrainingReport {
                 r.comm.bytes as f64 / (1024.0 * 1024.0),
                 r.coordination.as_secs_f64(),
                 r.optimizer.as_secs_f64(),
+                r.collectives_per_step(),
             )?;
         }
         Ok(())
+    }
+}
+
+/// A burn-train renderer that renders on the main process only ([`is_main_process`] when it is
+/// built), like PyTorch users' `if rank == 0:` around their progress bars.
+///
+/// In a multi-process job every process builds its `SupervisedTraining`, renderer included, and
+/// burn-train calls its renderer on every process (at least its end-of-training summary): wrap
+/// it so that only rank 0's reaches the console. On the other ranks the inner renderer is dropped
+/// at construction (a terminal UI never takes their terminal) and every call does nothing.
+/// Under [`DdpStrategy`](crate::DdpStrategy) in one process (threads) this process is the main
+/// one, so the wrapper renders everything.
+///
+/// [`is_main_process`]: crate::is_main_process
+pub struct MainProcessRenderer<R> {
+    inner: Option<R>,
+}
+
+impl<R> MainProcessRenderer<R> {
+    /// Keeps `renderer` if this process is the main one, drops it otherwise.
+    pub fn new(renderer: R) -> Self {
+        Self {
+            inner: crate::is_main_process().then_some(renderer),
+        }
+    }
+
+    /// Whether this wrapper renders (this process is the main one).
+    pub fn is_active(&self) -> bool {
+        self.inner.is_some()
+    }
+}
+
+impl<R: MetricsRendererTraining> MetricsRendererTraining for MainProcessRenderer<R> {
+    fn update_train(&mut self, state: MetricState) {
+        if let Some(inner) = &mut self.inner {
+            inner.update_train(state);
+        }
+    }
+
+    fn update_valid(&mut self, state: MetricState) {
+        if let Some(inner) = &mut self.inner {
+            inner.update_valid(state);
+        }
+    }
+
+    fn render_train(&mut self, item: TrainingProgress, progress_indicators: Vec<ProgressType>) {
+        if let Some(inner) = &mut self.inner {
+            inner.render_train(item, progress_indicators);
+        }
+    }
+
+    fn render_valid(&mut self, item: TrainingProgress, progress_indicators: Vec<ProgressType>) {
+        if let Some(inner) = &mut self.inner {
+            inner.render_valid(item, progress_indicators);
+        }
+    }
+
+    fn on_train_end(
+        &mut self,
+        summary: Option<burn::train::LearnerSummary>,
+    ) -> std::result::Result<(), Box<dyn core::error::Error>> {
+        match &mut self.inner {
+            Some(inner) => inner.on_train_end(summary),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<R: MetricsRendererEvaluation> MetricsRendererEvaluation for MainProcessRenderer<R> {
+    fn update_test(&mut self, name: EvaluationName, state: MetricState) {
+        if let Some(inner) = &mut self.inner {
+            inner.update_test(name, state);
+        }
+    }
+
+    fn render_test(&mut self, item: EvaluationProgress, progress_indicators: Vec<ProgressType>) {
+        if let Some(inner) = &mut self.inner {
+            inner.render_test(item, progress_indicators);
+        }
+    }
+
+    fn on_test_end(
+        &mut self,
+        summary: Option<burn::train::LearnerSummary>,
+    ) -> std::result::Result<(), Box<dyn core::error::Error>> {
+        match &mut self.inner {
+            Some(inner) => inner.on_test_end(summary),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<R: MetricsRenderer> MetricsRenderer for MainProcessRenderer<R> {
+    fn manual_close(&mut self) {
+        if let Some(inner) = &mut self.inner {
+            inner.manual_close();
+        }
+    }
+
+    fn register_metric(&mut self, definition: MetricDefinition) {
+        if let Some(inner) = &mut self.inner {
+            inner.register_metric(definition);
+        }
+    }
+}
+
+/// A burn-train metric logger that logs on the main process only ([`is_main_process`] when it
+/// is built); the other ranks log nothing and read back no entries.
+///
+/// Every process of a job runs its own `SupervisedTraining` with the same artifact directory:
+/// without this wrapper (or an `InMemoryMetricLogger` on the other ranks) their file loggers
+/// would write the same files. Under [`DdpStrategy`](crate::DdpStrategy) only rank 0 receives
+/// metrics anyway, aggregated over every rank's samples.
+///
+/// [`is_main_process`]: crate::is_main_process
+pub struct MainProcessLogger<L> {
+    inner: Option<L>,
+}
+
+impl<L> MainProcessLogger<L> {
+    /// Keeps `logger` if this process is the main one, drops it otherwise.
+    pub fn new(logger: L) -> Self {
+        Self {
+            inner: crate::is_main_process().then_some(logger),
+        }
+    }
+}
+
+impl<L: MetricLogger> MetricLogger for MainProcessLogger<L> {
+    fn log(&mut self, update: MetricsUpdate, epoch: usize, split: &Split) {
+        if let Some(inner) = &mut self.inner {
+            inner.log(update, epoch, split);
+        }
+    }
+
+    fn read_numeric(
+        &mut self,
+        name: &str,
+        epoch: usize,
+        split: &Split,
+    ) -> std::result::Result<Vec<NumericEntry>, String> {
+        match &mut self.inner {
+            Some(inner) => inner.read_numeric(name, epoch, split),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn log_metric_definition(&mut self, definition: MetricDefinition) {
+        if let Some(inner) = &mut self.inner {
+            inner.log_metric_definition(definition);
+        }
+    }
+
+    fn log_epoch_summary(&mut self, summary: EpochSummary) {
+        if let Some(inner) = &mut self.inner {
+            inner.log_epoch_summary(summary);
+        }
     }
 }

@@ -12,7 +12,9 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use crate::partition::chunk_range;
 
@@ -42,6 +44,40 @@ impl Drop for EpochGuard {
     fn drop(&mut self) {
         let previous = self.previous;
         EPOCH.with(|e| e.set(previous));
+    }
+}
+
+/// What [`DdpStrategy`](crate::DdpStrategy) hands a loader to: the handshake through which a
+/// [`DistributedDataLoader`] (which burn-train sees as any `DataLoader`) refuses a job it was
+/// not built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Purpose {
+    /// Training with `world_size` replicas: the loader's sampler must be built for it.
+    Training { world_size: usize },
+    /// Validation, sharded or on rank 0: every item must count once (no padding, no drops).
+    Validation,
+}
+
+thread_local! {
+    /// The purpose announced by [`check_loader`], and the first refusal a loader gave.
+    static SLICING: RefCell<Option<(Purpose, Option<String>)>> = const { RefCell::new(None) };
+}
+
+/// Announces `purpose` and slices `loader` whole (`slice(0, num_items)`, which a
+/// [`DistributedDataLoader`] answers by checking that it fits; other loaders ignore it).
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] with the loader's reason: a training loader built for another
+/// world size (naming both), a validation loader that pads or drops items.
+pub(crate) fn check_loader<B: Backend, O>(
+    loader: &dyn DataLoader<B, O>,
+    purpose: Purpose,
+) -> Result<()> {
+    SLICING.with(|s| *s.borrow_mut() = Some((purpose, None)));
+    let _ = loader.slice(0, loader.num_items());
+    match SLICING.with(|s| s.borrow_mut().take()) {
+        Some((_, Some(refusal))) => Err(DdpError::InvalidConfig(refusal)),
+        _ => Ok(()),
     }
 }
 use crate::{DdpError, Result};
@@ -222,6 +258,14 @@ impl DistributedSampler {
             .collect()
     }
 
+    /// The rank whose shard holds position `position` of the shard-major sequence.
+    fn rank_of_position(&self, position: usize) -> usize {
+        let total = self.total_size();
+        (0..self.world_size)
+            .find(|&r| chunk_range(total, self.world_size, r).contains(&position))
+            .unwrap_or(0)
+    }
+
     /// Dataset indices at `positions` of the epoch's shard-major sequence (rank 0's shard, then
     /// rank 1's, ...), the order [`DistributedDataLoader`] presents. Rank `r`'s shard occupies
     /// positions `chunk_range(total_size, N, r)`.
@@ -244,14 +288,20 @@ impl DistributedSampler {
 ///
 /// Build one for the whole training set with the world size you will train with and hand it to
 /// `SupervisedTraining` as usual; [`DdpStrategy`](crate::DdpStrategy) slices it into the rank
-/// shards. `batch_size` is the **per-rank** batch (PyTorch's convention): the global batch is
-/// `batch_size * world_size`.
+/// shards (and refuses, naming both numbers, a loader built for another world size).
+/// `batch_size` is the **per-rank** batch (PyTorch's convention): the global batch is
+/// `batch_size * world_size`. For validation give `SupervisedTraining` a plain Burn `DataLoader`
+/// (burn-ddp shards it without padding); a padded `DistributedDataLoader` there is refused,
+/// since it would count items twice.
 ///
 /// Each call to [`iter`](DataLoader::iter) starts the next epoch (0, 1, 2, ... unless
 /// [`with_epoch`](Self::with_epoch) sets the first), so every epoch gets a new order. Under
 /// [`DdpStrategy`](crate::DdpStrategy) the epoch follows burn-train's (burn-train's epoch `k` is
 /// sampler epoch `k - 1`, set by the strategy on every replica's thread), also when resuming from
 /// a checkpoint.
+///
+/// With [`with_num_workers`](Self::with_num_workers) (PyTorch's `num_workers`), background
+/// threads build the next batches while the replica trains on the current one.
 pub struct DistributedDataLoader<B: Backend, I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<B, I, O>>,
@@ -260,7 +310,13 @@ pub struct DistributedDataLoader<B: Backend, I, O> {
     device: B::Device,
     positions: Range<usize>,
     next_epoch: Arc<AtomicU64>,
+    num_workers: usize,
+    prefetch_factor: usize,
 }
+
+/// Batches each prefetch worker builds ahead of the training step: PyTorch's `prefetch_factor`
+/// default.
+pub const DEFAULT_PREFETCH_FACTOR: usize = 2;
 
 impl<B, I, O> DistributedDataLoader<B, I, O>
 where
@@ -269,7 +325,7 @@ where
     O: Send + 'static,
 {
     /// A loader over all ranks' shards of `dataset` (length `sampler.total_size()`), batching
-    /// `batch_size` samples per rank on `device`.
+    /// `batch_size` samples per rank on `device`, on the training thread (no workers).
     ///
     /// # Errors
     /// [`DdpError::InvalidConfig`] when `batch_size` is 0 or the sampler was built for a dataset
@@ -301,7 +357,35 @@ where
             batch_size,
             device,
             next_epoch: Arc::new(AtomicU64::new(0)),
+            num_workers: 0,
+            prefetch_factor: DEFAULT_PREFETCH_FACTOR,
         })
+    }
+
+    /// Builds batches on `num_workers` background threads per replica (0, the default: on the
+    /// training thread between steps), as PyTorch's `DataLoader(num_workers=...)`.
+    ///
+    /// Worker `w` builds batches `w, w + num_workers, ...` of the epoch, at most
+    /// `prefetch_factor` ahead ([`with_prefetch_factor`](Self::with_prefetch_factor)), and the
+    /// training thread takes them in turn, so the order is exactly the sampler's, as with 0
+    /// workers. A dataset `get` or a batcher that panics in a worker surfaces on the training
+    /// thread as a panic naming the rank and the sample index (under
+    /// [`DdpStrategy`](crate::DdpStrategy): [`DdpError::WorkerPanicked`] for that rank), after
+    /// the batches before it. Workers are threads, not processes: a batcher that decodes or
+    /// augments on the CPU overlaps with the step; there is no `pin_memory` (Burn's backends
+    /// copy to the device themselves).
+    pub fn with_num_workers(mut self, num_workers: usize) -> Self {
+        self.num_workers = num_workers;
+        self
+    }
+
+    /// Batches each worker builds ahead (default
+    /// [`DEFAULT_PREFETCH_FACTOR`](crate::config::DEFAULT_PREFETCH_FACTOR), PyTorch's; values
+    /// below 1 count as 1). Memory: up to `num_workers * (prefetch_factor + 1)` batches per
+    /// replica (each worker's queue and the batch it is building), plus the one being trained on.
+    pub fn with_prefetch_factor(mut self, prefetch_factor: usize) -> Self {
+        self.prefetch_factor = prefetch_factor.max(1);
+        self
     }
 
     /// Makes the next [`iter`](DataLoader::iter) use sampler epoch `epoch` (the first call uses 0
@@ -327,6 +411,43 @@ where
             positions,
             // A derived loader (a rank's shard) counts its own epochs from where this one is.
             next_epoch: Arc::new(AtomicU64::new(self.next_epoch.load(Ordering::Relaxed))),
+            num_workers: self.num_workers,
+            prefetch_factor: self.prefetch_factor,
+        }
+    }
+
+    /// Why this loader cannot serve `purpose`, if it cannot.
+    fn refusal(&self, purpose: Purpose) -> Option<String> {
+        let sampler = &self.sampler;
+        match purpose {
+            Purpose::Training { world_size } if world_size != sampler.world_size() => {
+                Some(format!(
+                    "the training DistributedDataLoader was built for world size {} but the job \
+                     has {world_size} replicas: its shards would not be the ranks' shards; build \
+                     its sampler with DistributedSampler::new(len, {world_size}) \
+                     (burn_ddp::world_size() gives it)",
+                    sampler.world_size()
+                ))
+            }
+            Purpose::Training { .. } => None,
+            Purpose::Validation if sampler.total_size() > sampler.dataset_len() => Some(format!(
+                "the validation loader is a DistributedDataLoader whose sampler pads {} items to \
+                 {} for {} ranks: validation would count {} item(s) twice; give \
+                 SupervisedTraining a plain DataLoader for validation (burn-ddp shards it across \
+                 ranks without padding), or build the sampler with .with_uneven_shards()",
+                sampler.dataset_len(),
+                sampler.total_size(),
+                sampler.world_size(),
+                sampler.total_size() - sampler.dataset_len()
+            )),
+            Purpose::Validation if sampler.total_size() < sampler.dataset_len() => Some(format!(
+                "the validation loader is a DistributedDataLoader whose sampler drops {} of {} \
+                 items (drop_last): validation must see every item; give SupervisedTraining a \
+                 plain DataLoader for validation, or build the sampler with .with_uneven_shards()",
+                sampler.dataset_len() - sampler.total_size(),
+                sampler.dataset_len()
+            )),
+            Purpose::Validation => None,
         }
     }
 }
@@ -340,11 +461,38 @@ where
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
         let counted = self.next_epoch.fetch_add(1, Ordering::Relaxed);
         let epoch = EPOCH.with(Cell::get).unwrap_or(counted);
-        let indices = self.sampler.shard_major(epoch, self.positions.clone());
+        let build = Build {
+            dataset: self.dataset.clone(),
+            batcher: self.batcher.clone(),
+            device: self.device.clone(),
+            indices: Arc::new(self.sampler.shard_major(epoch, self.positions.clone())),
+            batch_size: self.batch_size,
+            rank: self.sampler.rank_of_position(self.positions.start),
+        };
+        // `burn_ddp::rank()` in a dataset's `get` or a batcher answers the replica's rank on the
+        // workers too.
+        let (rank, world_size) = (crate::rank(), crate::world_size());
+        let queues = (self.num_workers > 0).then(|| {
+            (0..self.num_workers)
+                .map(|worker| {
+                    let (sender, receiver) = sync_channel(self.prefetch_factor);
+                    let build = build.clone();
+                    let workers = self.num_workers;
+                    let spawned = std::thread::Builder::new()
+                        .name(format!("burn-ddp-loader-{}-{worker}", build.rank))
+                        .spawn(move || {
+                            let _rank = crate::context::enter_rank(rank, world_size);
+                            build.prefetch(worker, workers, sender)
+                        });
+                    // A worker that cannot start reports it when its first batch is due.
+                    spawned.map(|_| receiver).map_err(|e| e.to_string())
+                })
+                .collect()
+        });
         Box::new(DistributedIterator {
-            loader: self,
-            indices,
-            next: 0,
+            build,
+            queues,
+            batch: 0,
         })
     }
 
@@ -357,40 +505,162 @@ where
     }
 
     fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<B, O>> {
+        SLICING.with(|s| {
+            if let Some((purpose, found)) = s.borrow_mut().as_mut()
+                && found.is_none()
+            {
+                *found = self.refusal(*purpose);
+            }
+        });
         let begin = (self.positions.start + start).min(self.positions.end);
         let end = (self.positions.start + end).clamp(begin, self.positions.end);
         Arc::new(self.derive(begin..end, self.device.clone()))
     }
 }
 
-struct DistributedIterator<'a, B: Backend, I, O> {
-    loader: &'a DistributedDataLoader<B, I, O>,
-    indices: Vec<usize>,
-    next: usize,
+/// What building one epoch's batches of one shard takes, shared with the prefetch workers.
+struct Build<B: Backend, I, O> {
+    dataset: Arc<dyn Dataset<I>>,
+    batcher: Arc<dyn Batcher<B, I, O>>,
+    device: B::Device,
+    /// The dataset indices of the epoch, in order.
+    indices: Arc<Vec<usize>>,
+    batch_size: usize,
+    /// The rank whose shard this is (for error messages).
+    rank: usize,
 }
 
-impl<B: Backend, I, O> Iterator for DistributedIterator<'_, B, I, O> {
-    type Item = O;
-
-    fn next(&mut self) -> Option<O> {
-        if self.next >= self.indices.len() {
-            return None;
+impl<B: Backend, I, O> Clone for Build<B, I, O> {
+    fn clone(&self) -> Self {
+        Self {
+            dataset: self.dataset.clone(),
+            batcher: self.batcher.clone(),
+            device: self.device.clone(),
+            indices: self.indices.clone(),
+            batch_size: self.batch_size,
+            rank: self.rank,
         }
-        let end = (self.next + self.loader.batch_size).min(self.indices.len());
-        // Every index is below the dataset length (checked at construction); a dataset whose `get`
-        // still returns `None` yields a smaller batch.
-        let items: Vec<I> = self.indices[self.next..end]
-            .iter()
-            .filter_map(|&i| self.loader.dataset.get(i))
-            .collect();
-        self.next = end;
-        Some(self.loader.batcher.batch(items, &self.loader.device))
     }
 }
 
-impl<B: Backend, I, O> DataLoaderIterator<O> for DistributedIterator<'_, B, I, O> {
+impl<B: Backend, I, O> Build<B, I, O> {
+    fn batches(&self) -> usize {
+        self.indices.len().div_ceil(self.batch_size)
+    }
+
+    /// Batch `k`, or a message naming the rank and the sample whose `get` (or the batch whose
+    /// batcher) panicked.
+    fn batch(&self, k: usize) -> std::result::Result<O, String> {
+        let start = k * self.batch_size;
+        let end = (start + self.batch_size).min(self.indices.len());
+        let mut items = Vec::with_capacity(end - start);
+        for &index in &self.indices[start..end] {
+            // Every index is below the dataset length (checked at construction); a dataset whose
+            // `get` still returns `None` yields a smaller batch.
+            match std::panic::catch_unwind(AssertUnwindSafe(|| self.dataset.get(index))) {
+                Ok(Some(item)) => items.push(item),
+                Ok(None) => {}
+                Err(payload) => {
+                    return Err(format!(
+                        "rank {}: the dataset's get({index}) panicked while building batch {k}: {}",
+                        self.rank,
+                        panic_text(payload.as_ref())
+                    ));
+                }
+            }
+        }
+        std::panic::catch_unwind(AssertUnwindSafe(|| self.batcher.batch(items, &self.device)))
+            .map_err(|payload| {
+                format!(
+                    "rank {}: the batcher panicked on batch {k} (samples {:?}): {}",
+                    self.rank,
+                    &self.indices[start..end],
+                    panic_text(payload.as_ref())
+                )
+            })
+    }
+
+    /// A prefetch worker: builds batches `worker, worker + workers, ...` into `queue` until the
+    /// epoch ends, a batch fails (the failure is sent) or the iterator is dropped.
+    fn prefetch(
+        self,
+        worker: usize,
+        workers: usize,
+        queue: SyncSender<std::result::Result<O, String>>,
+    ) {
+        for k in (worker..self.batches()).step_by(workers) {
+            let built = self.batch(k);
+            let failed = built.is_err();
+            if queue.send(built).is_err() || failed {
+                return;
+            }
+        }
+    }
+}
+
+/// The text of a panic's payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
+}
+
+/// What a prefetch worker sends: a batch, or why it could not build it.
+type Built<O> = std::result::Result<O, String>;
+
+/// A prefetch worker's queue, or why the worker could not start.
+type Queue<O> = std::result::Result<Receiver<Built<O>>, String>;
+
+struct DistributedIterator<B: Backend, I, O> {
+    build: Build<B, I, O>,
+    /// One queue per prefetch worker (batch `k` comes from queue `k % workers`); `None`: batches
+    /// are built on the calling thread.
+    queues: Option<Vec<Queue<O>>>,
+    /// The next batch.
+    batch: usize,
+}
+
+impl<B: Backend, I, O> Iterator for DistributedIterator<B, I, O> {
+    type Item = O;
+
+    fn next(&mut self) -> Option<O> {
+        let k = self.batch;
+        if k >= self.build.batches() {
+            return None;
+        }
+        self.batch += 1;
+        let built = match &self.queues {
+            None => self.build.batch(k),
+            Some(queues) => {
+                let worker = k % queues.len();
+                match &queues[worker] {
+                    Ok(queue) => queue.recv().unwrap_or_else(|_| {
+                        Err(format!(
+                            "rank {}: loader worker {worker} ended without building batch {k}",
+                            self.build.rank
+                        ))
+                    }),
+                    Err(e) => Err(format!(
+                        "rank {}: loader worker {worker} could not start: {e}",
+                        self.build.rank
+                    )),
+                }
+            }
+        };
+        // burn-train's `Iterator` has no error channel: the failure unwinds the training thread,
+        // where DdpStrategy reports it as this rank's error.
+        Some(built.unwrap_or_else(|message| panic!("{message}")))
+    }
+}
+
+impl<B: Backend, I, O> DataLoaderIterator<O> for DistributedIterator<B, I, O> {
     fn progress(&self) -> Progress {
-        Progress::new(self.next, self.indices.len())
+        let done = (self.batch * self.build.batch_size).min(self.build.indices.len());
+        Progress::new(done, self.build.indices.len())
     }
 }
 

@@ -15,6 +15,7 @@ use burn::train::logger::InMemoryMetricLogger;
 use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
+use burn_ddp::config::Validation;
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataParallel, ProcessGroup,
     ThreadGroup,
@@ -327,7 +328,7 @@ fn valid_loader() -> Arc<dyn DataLoader<NdArray, Batch<NdArray>>> {
         )))
 }
 
-/// An MLP whose validation panics on rank 0.
+/// An MLP whose validation panics on ranks 0 and 1 (thread names).
 #[derive(Module, Debug)]
 pub struct FailsValidation<B: Backend> {
     inner: Mlp<B>,
@@ -346,8 +347,17 @@ impl<B: Backend> InferenceStep for FailsValidation<B> {
     type Input = Batch<B>;
     type Output = ClassificationOutput<B>;
 
-    fn step(&self, _batch: Batch<B>) -> ClassificationOutput<B> {
-        panic!("validation failed on {:?}", std::thread::current().name());
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        let thread = std::thread::current()
+            .name()
+            .unwrap_or_default()
+            .to_string();
+        // Rank 1's thread is named `burn-ddp-rank-1`; rank 0 runs validation alone in `Rank0`
+        // mode, and fails there.
+        if thread.ends_with("rank-1") || thread.ends_with("rank-0") {
+            panic!("validation failed on {thread}");
+        }
+        InferenceStep::step(&self.inner, batch)
     }
 }
 
@@ -359,7 +369,9 @@ fn a_failure_in_rank_0_validation_releases_the_waiting_ranks() {
     });
     let mut run = Run::new(Some(3), 12, 4 * 12);
     // The others wait in the end-of-epoch all-gather; the abort must free them long before this.
-    run.config = DdpConfig::default().with_epoch_end_timeout(Duration::from_secs(600));
+    run.config = DdpConfig::default()
+        .with_epoch_end_timeout(Duration::from_secs(600))
+        .with_validation(Validation::Rank0);
     let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
     match err {
         DdpError::WorkerPanicked { rank, message } => {
@@ -367,6 +379,30 @@ fn a_failure_in_rank_0_validation_releases_the_waiting_ranks() {
             assert!(message.contains("validation failed"), "{message}");
         }
         other => panic!("expected WorkerPanicked on rank 0, got {other}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_failure_in_one_rank_s_validation_shard_is_named_and_releases_the_others() {
+    let started = Instant::now();
+    let model = materialized(FailsValidation {
+        inner: Mlp::new(&device()),
+    });
+    let mut run = Run::new(Some(3), 12, 4 * 12);
+    run.config = DdpConfig::default().with_epoch_end_timeout(Duration::from_secs(600));
+    let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
+    match err {
+        // Rank 0 and rank 1 fail in their shards; rank 2's shard validates.
+        DdpError::WorkerPanicked { rank, message } => {
+            assert!(rank <= 1, "rank {rank}: {message}");
+            assert!(message.contains("validation failed"), "{message}");
+        }
+        other => panic!("expected WorkerPanicked, got {other}"),
     }
     assert!(
         started.elapsed() < Duration::from_secs(60),

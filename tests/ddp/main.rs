@@ -6,6 +6,7 @@ mod changes;
 mod equivalence;
 mod failures;
 mod hooks;
+mod metrics;
 mod processes;
 mod replicas;
 mod sampling;

@@ -149,3 +149,297 @@ fn a_plain_burn_loader_is_split_into_equal_shards() {
     assert_eq!(report.ranks[0].batches, 1);
     assert_eq!(report.ranks[1].batches, 1);
 }
+
+/// Every batch of every rank's shard over `epochs` epochs, in order.
+fn batches_of(
+    loader: &Arc<dyn DataLoader<NdArray, Vec<usize>>>,
+    world_size: usize,
+    epochs: usize,
+) -> Vec<Vec<usize>> {
+    let shards = shards(loader, world_size);
+    (0..epochs)
+        .flat_map(|_| shards.iter().flat_map(|s| s.iter()).collect::<Vec<_>>())
+        .collect()
+}
+
+fn prefetching_loader(
+    len: usize,
+    world_size: usize,
+    batch: usize,
+    workers: usize,
+    prefetch: usize,
+) -> Arc<dyn DataLoader<NdArray, Vec<usize>>> {
+    let sampler = DistributedSampler::new(len, world_size)
+        .unwrap()
+        .with_seed(11);
+    Arc::new(
+        DistributedDataLoader::new(
+            Arc::new(InMemDataset::new((0..len).collect::<Vec<usize>>())),
+            Ids,
+            sampler,
+            batch,
+            Default::default(),
+        )
+        .unwrap()
+        .with_num_workers(workers)
+        .with_prefetch_factor(prefetch),
+    )
+}
+
+#[test]
+fn prefetching_workers_keep_the_samplers_exact_order() {
+    // 53 samples on 2 ranks, batches of 4 (a short last batch), 3 epochs.
+    let reference = batches_of(&prefetching_loader(53, 2, 4, 0, 2), 2, 3);
+    assert_eq!(reference.len(), 3 * 2 * 7);
+    for (workers, prefetch) in [(1, 1), (2, 2), (3, 1), (8, 4)] {
+        let got = batches_of(&prefetching_loader(53, 2, 4, workers, prefetch), 2, 3);
+        assert_eq!(
+            got, reference,
+            "{workers} workers (prefetch {prefetch}) changed the order"
+        );
+    }
+    // An iterator dropped half-way (a run stopped early) leaves the next epoch intact.
+    let loader = prefetching_loader(53, 1, 4, 2, 2);
+    let plain = prefetching_loader(53, 1, 4, 0, 2);
+    let mut first = loader.iter();
+    assert_eq!(first.next(), plain.iter().next());
+    drop(first);
+    assert_eq!(
+        loader.iter().collect::<Vec<_>>(),
+        plain.iter().collect::<Vec<_>>()
+    );
+}
+
+/// Items `0..len`; `get(bad)` panics, as a corrupt file would in a decoding dataset.
+struct Corrupt {
+    len: usize,
+    bad: usize,
+}
+
+impl burn::data::dataset::Dataset<usize> for Corrupt {
+    fn get(&self, index: usize) -> Option<usize> {
+        assert_ne!(index, self.bad, "sample {index} is corrupt");
+        (index < self.len).then_some(index)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[test]
+fn a_panicking_get_in_a_loader_worker_names_the_rank_and_the_sample() {
+    let sampler = DistributedSampler::new(40, 2).unwrap().with_seed(5);
+    let bad = sampler.indices(0, 1)[6];
+    let loader: Arc<dyn DataLoader<NdArray, Vec<usize>>> = Arc::new(
+        DistributedDataLoader::new(
+            Arc::new(Corrupt { len: 40, bad }),
+            Ids,
+            sampler,
+            4,
+            Default::default(),
+        )
+        .unwrap()
+        .with_num_workers(2),
+    );
+    let rank1 = loader.slice(20, 40);
+    // Bounded: the failure must arrive, not hang the training thread.
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            rank1.iter().map(|batch| batch.len()).collect::<Vec<_>>()
+        }));
+        let _ = sender.send(result.map_err(|p| {
+            p.downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_else(|| "no message".into())
+        }));
+    });
+    let result = receiver
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the loader hung after a worker's panic");
+    let message = result.expect_err("a corrupt sample must fail the epoch");
+    assert!(message.contains("rank 1"), "{message}");
+    assert!(message.contains(&format!("get({bad})")), "{message}");
+    assert!(message.contains("batch 1"), "{message}");
+}
+
+#[test]
+fn the_strategy_reports_a_loader_workers_failure_as_the_ranks_error() {
+    use burn::train::logger::InMemoryMetricLogger;
+    use burn::train::{Learner, SupervisedTraining};
+    use burn_ddp::{DdpError, DdpStrategy, DdpTraining};
+    use burn_ddp_tests::{ItemBatcher, SilentRenderer, synthetic_dataset};
+
+    /// The synthetic items; `get(bad)` panics.
+    struct CorruptItems {
+        items: Vec<Item>,
+        bad: usize,
+    }
+    impl burn::data::dataset::Dataset<Item> for CorruptItems {
+        fn get(&self, index: usize) -> Option<Item> {
+            assert_ne!(index, self.bad, "sample {index} is corrupt");
+            self.items.get(index).cloned()
+        }
+        fn len(&self) -> usize {
+            self.items.len()
+        }
+    }
+
+    let items = synthetic_dataset(40, 4);
+    let sampler = DistributedSampler::new(40, 2).unwrap().with_seed(2);
+    let bad = sampler.indices(0, 1)[9];
+    let train = Arc::new(
+        DistributedDataLoader::new(
+            Arc::new(CorruptItems {
+                items: items.clone(),
+                bad,
+            }),
+            ItemBatcher,
+            sampler,
+            4,
+            device(),
+        )
+        .unwrap()
+        .with_num_workers(2),
+    );
+    let valid = DataLoaderBuilder::new(ItemBatcher)
+        .batch_size(8)
+        .build(InMemDataset::new(items));
+    let model = materialized(Mlp::new(&device()));
+    let learner = Learner::new(model, SgdConfig::new().init(), 0.05);
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = SupervisedTraining::new(
+            std::env::temp_dir().join(format!("burn-ddp-tests-corrupt-{}", std::process::id())),
+            train,
+            valid,
+        )
+        .renderer(SilentRenderer)
+        .with_metric_logger(InMemoryMetricLogger::new())
+        .with_application_logger(None)
+        .launch_ddp(learner, DdpStrategy::new(vec![device(); 2]))
+        .map(|_| ());
+        let _ = sender.send(result);
+    });
+    let result = receiver
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("training hung after a loader worker's panic");
+    match result {
+        Err(DdpError::WorkerPanicked { rank: 1, message }) => {
+            assert!(message.contains(&format!("get({bad})")), "{message}");
+        }
+        other => panic!("expected rank 1's loader failure, got {other:?}"),
+    }
+}
+
+#[test]
+fn training_with_prefetching_workers_equals_training_without() {
+    let model = materialized(Mlp::new(&device()));
+    let run = Run {
+        epochs: 2,
+        ..Run::new(Some(2), 8, 48)
+    };
+    let (inline, _) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    let (prefetched, _) = run_training(
+        model,
+        SgdConfig::new().init(),
+        0.1,
+        &Run {
+            loader_workers: 2,
+            ..run
+        },
+    )
+    .unwrap();
+    assert_eq!(prefetched, inline, "prefetching changed what was trained");
+}
+
+#[test]
+fn a_loader_built_for_another_world_size_or_padding_validation_is_refused() {
+    use burn::train::logger::InMemoryMetricLogger;
+    use burn::train::{Learner, SupervisedTraining};
+    use burn_ddp::{DdpError, DdpStrategy, DdpTraining};
+    use burn_ddp_tests::{ItemBatcher, SilentRenderer, TestBackend, synthetic_dataset};
+
+    let items = synthetic_dataset(22, 4);
+    let plain = DataLoaderBuilder::new(ItemBatcher)
+        .batch_size(8)
+        .build(InMemDataset::new(items.clone()));
+    let launch =
+        |train: Arc<dyn DataLoader<TestBackend, burn_ddp_tests::Batch<TestBackend>>>,
+         valid: Arc<dyn DataLoader<NdArray, burn_ddp_tests::Batch<NdArray>>>| {
+            let learner = Learner::new(
+                materialized(Mlp::new(&device())),
+                SgdConfig::new().init(),
+                0.05,
+            );
+            SupervisedTraining::new(
+                std::env::temp_dir().join(format!("burn-ddp-tests-refused-{}", std::process::id())),
+                train,
+                valid,
+            )
+            .renderer(SilentRenderer)
+            .with_metric_logger(InMemoryMetricLogger::new())
+            .with_application_logger(None)
+            .launch_ddp(learner, DdpStrategy::new(vec![device(); 2]))
+            .map(|_| ())
+        };
+    // Built for 3 replicas, trained on 2: every rank would take a third of the data.
+    let train3 = Arc::new(
+        DistributedDataLoader::new(
+            Arc::new(InMemDataset::new(items.clone())),
+            ItemBatcher,
+            DistributedSampler::new(22, 3).unwrap(),
+            4,
+            device(),
+        )
+        .unwrap(),
+    );
+    match launch(train3, plain.clone()) {
+        Err(DdpError::InvalidConfig(message)) => {
+            assert!(message.contains("world size 3"), "{message}");
+            assert!(message.contains("has 2 replicas"), "{message}");
+        }
+        other => panic!("expected the world-size refusal, got {other:?}"),
+    }
+    // A padded validation loader (21 items on 2 ranks: one repeated) would count it twice.
+    let train2 = Arc::new(
+        DistributedDataLoader::new(
+            Arc::new(InMemDataset::new(items.clone())),
+            ItemBatcher,
+            DistributedSampler::new(22, 2).unwrap(),
+            4,
+            device(),
+        )
+        .unwrap(),
+    );
+    let odd: Vec<Item> = items[..21].to_vec();
+    let padded_valid = Arc::new(
+        DistributedDataLoader::new(
+            Arc::new(InMemDataset::new(odd.clone())),
+            ItemBatcher,
+            DistributedSampler::new(21, 2).unwrap(),
+            8,
+            Default::default(),
+        )
+        .unwrap(),
+    );
+    match launch(train2.clone(), padded_valid) {
+        Err(DdpError::InvalidConfig(message)) => {
+            assert!(message.contains("count 1 item(s) twice"), "{message}");
+        }
+        other => panic!("expected the padded-validation refusal, got {other:?}"),
+    }
+    // The same items with uneven shards (each once) are accepted.
+    let uneven_valid = Arc::new(
+        DistributedDataLoader::new(
+            Arc::new(InMemDataset::new(odd)),
+            ItemBatcher,
+            DistributedSampler::new(21, 2).unwrap().with_uneven_shards(),
+            8,
+            Default::default(),
+        )
+        .unwrap(),
+    );
+    launch(train2, uneven_valid).unwrap();
+}

@@ -405,6 +405,17 @@ pub struct Run {
     pub resume_after: Option<usize>,
     /// Every checkpoint file takes this long to write (a slow disk).
     pub slow_checkpoints: Option<std::time::Duration>,
+    /// Records what burn-train's renderer sees (with accuracy and loss metrics); `None`: silent.
+    pub recording: Option<Recording>,
+    /// Validation items (default: `samples`, at most 64).
+    pub valid_samples: Option<usize>,
+    /// Batch size of the validation loader (default 32).
+    pub valid_batch: usize,
+    /// Prefetch workers of the training `DistributedDataLoader` (default 0).
+    pub loader_workers: usize,
+    /// Build the strategy with `DdpStrategy::from_env_with` (threads or this process's rank, as
+    /// the environment says), with this rendezvous timeout; `replicas` is the thread count.
+    pub from_env: Option<std::time::Duration>,
 }
 
 impl Run {
@@ -423,6 +434,114 @@ impl Run {
             artifacts: None,
             resume_after: None,
             slow_checkpoints: None,
+            recording: None,
+            valid_samples: None,
+            valid_batch: 32,
+            loader_workers: 0,
+            from_env: None,
+        }
+    }
+}
+
+/// What a [`Recording`] renderer saw of one split (training or validation).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SplitSeen {
+    /// The iteration number of every rendered item, in order.
+    pub iterations: Vec<Option<usize>>,
+    /// Every numeric metric update: metric name, the item's value, its count (samples).
+    pub updates: Vec<(String, f64, usize)>,
+}
+
+impl SplitSeen {
+    /// A metric's value over everything seen, weighted by each item's count, as burn-train's
+    /// epoch ("running") value is.
+    pub fn weighted(&self, name: &str) -> f64 {
+        let (sum, count) = self
+            .updates
+            .iter()
+            .filter(|(n, _, _)| n == name)
+            .fold((0.0, 0usize), |(s, c), (_, v, n)| {
+                (s + v * *n as f64, c + n)
+            });
+        sum / count.max(1) as f64
+    }
+
+    /// The item values of a metric, in order.
+    pub fn values(&self, name: &str) -> Vec<f64> {
+        self.updates
+            .iter()
+            .filter(|(n, _, _)| n == name)
+            .map(|(_, v, _)| *v)
+            .collect()
+    }
+}
+
+/// A renderer that records what burn-train shows (shared by its clones).
+#[derive(Clone, Default)]
+pub struct Recording {
+    seen: Arc<std::sync::Mutex<(SplitSeen, SplitSeen)>>,
+    names: Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
+}
+
+impl Recording {
+    /// What was seen so far: (training, validation).
+    pub fn seen(&self) -> (SplitSeen, SplitSeen) {
+        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    fn update(&self, valid: bool, state: MetricState) {
+        if let MetricState::Numeric(entry, numeric) = state {
+            let id = format!("{:?}", entry.metric_id);
+            let name = self
+                .names
+                .lock()
+                .ok()
+                .and_then(|n| n.get(&id).cloned())
+                .unwrap_or(id);
+            let (value, count) = match numeric {
+                burn::train::metric::NumericEntry::Value(v) => (v, 1),
+                burn::train::metric::NumericEntry::Aggregated {
+                    aggregated_value,
+                    count,
+                } => (aggregated_value, count),
+            };
+            if let Ok(mut seen) = self.seen.lock() {
+                let split = if valid { &mut seen.1 } else { &mut seen.0 };
+                split.updates.push((name, value, count));
+            }
+        }
+    }
+}
+
+impl MetricsRendererTraining for Recording {
+    fn update_train(&mut self, state: MetricState) {
+        self.update(false, state);
+    }
+    fn update_valid(&mut self, state: MetricState) {
+        self.update(true, state);
+    }
+    fn render_train(&mut self, item: TrainingProgress, _progress: Vec<ProgressType>) {
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.0.iterations.push(item.iteration);
+        }
+    }
+    fn render_valid(&mut self, item: TrainingProgress, _progress: Vec<ProgressType>) {
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.1.iterations.push(item.iteration);
+        }
+    }
+}
+
+impl MetricsRendererEvaluation for Recording {
+    fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
+    fn render_test(&mut self, _item: EvaluationProgress, _progress: Vec<ProgressType>) {}
+}
+
+impl MetricsRenderer for Recording {
+    fn manual_close(&mut self) {}
+    fn register_metric(&mut self, definition: MetricDefinition) {
+        if let Ok(mut names) = self.names.lock() {
+            names.insert(format!("{:?}", definition.metric_id), definition.name);
         }
     }
 }
@@ -454,7 +573,7 @@ where
         optimizer,
         scheduler,
         synthetic_dataset(run.samples, 99),
-        synthetic_dataset(run.samples.min(64), 5),
+        synthetic_dataset(run.valid_samples.unwrap_or(run.samples.min(64)), 5),
         ItemBatcher,
         run,
     )
@@ -485,9 +604,13 @@ where
         + 'static,
 {
     let device = burn::tensor::Device::<TestBackend>::default();
-    let world_size = match &run.group {
-        Some(group) => group.world_size(),
-        None => run.replicas.unwrap_or(1).max(1),
+    let world_size = match (&run.group, run.from_env) {
+        (Some(group), _) => group.world_size(),
+        // Under a launcher, the job's (from the environment, as user code would ask).
+        (None, Some(_)) if burn_ddp::advanced::Topology::from_env()?.is_some() => {
+            burn_ddp::world_size()
+        }
+        _ => run.replicas.unwrap_or(1).max(1),
     };
     let samples = train.len();
     let mut sampler = DistributedSampler::new(samples, world_size)?.with_seed(run.seed);
@@ -501,7 +624,8 @@ where
             sampler,
             run.global_batch / world_size,
             device,
-        )?,
+        )?
+        .with_num_workers(run.loader_workers),
         // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows burn-train's
         // epoch, which `checkpoint(epoch)` sets.
     );
@@ -511,7 +635,7 @@ where
             Arc::new(InMemDataset::new(valid)),
             batcher,
             valid_sampler,
-            32,
+            run.valid_batch,
             device,
         )?);
 
@@ -526,9 +650,17 @@ where
     let mut config = run.config.clone();
     let mut training = SupervisedTraining::new(&directory, train_loader, valid_loader)
         .num_epochs(run.epochs)
-        .renderer(SilentRenderer)
         .with_metric_logger(InMemoryMetricLogger::new())
         .with_application_logger(None);
+    training = match &run.recording {
+        Some(recording) => training
+            .metrics((
+                burn::train::metric::AccuracyMetric::new(),
+                burn::train::metric::LossMetric::new(),
+            ))
+            .renderer(recording.clone()),
+        None => training.renderer(SilentRenderer),
+    };
     if let Some(k) = run.grad_accumulation {
         training = training.grads_accumulation(k);
     }
@@ -552,6 +684,12 @@ where
     }
     let strategy = match (&run.group, run.replicas) {
         (Some(group), _) => DdpStrategy::with_process_group(device, group.clone()),
+        (None, replicas) if run.from_env.is_some() => DdpStrategy::from_env_with(
+            vec![device; replicas.unwrap_or(1)],
+            &burn_ddp::group::TcpGroupOptions {
+                connect_timeout: run.from_env.unwrap_or_default(),
+            },
+        )?,
         (None, Some(n)) => DdpStrategy::new(vec![device; n]),
         (None, None) => {
             let result = training
@@ -819,8 +957,63 @@ pub fn train_example_cnn_for(
     artifacts: Option<std::path::PathBuf>,
 ) -> Result<Trained, DdpError> {
     let world_size = group.as_ref().map_or(replicas, |g| g.world_size());
+    train_example_cnn_run(
+        group,
+        replicas,
+        world_size,
+        steps,
+        per_rank_batch,
+        config,
+        epochs,
+        artifacts,
+        None,
+    )
+}
+
+/// [`train_example_cnn_for`] with the strategy built by `DdpStrategy::from_env_with` (rendezvous
+/// timeout `timeout`): threads without launcher variables, this process's rank under one.
+pub fn train_example_cnn_from_env(
+    replicas: usize,
+    steps: usize,
+    per_rank_batch: usize,
+    config: DdpConfig,
+    epochs: usize,
+    artifacts: Option<std::path::PathBuf>,
+    timeout: std::time::Duration,
+) -> Result<Trained, DdpError> {
+    // The job's world size, from the environment as user code asks it (threads: `replicas`).
+    let world_size = match burn_ddp::advanced::Topology::from_env()? {
+        Some(_) => burn_ddp::world_size(),
+        None => replicas,
+    };
+    train_example_cnn_run(
+        None,
+        replicas,
+        world_size,
+        steps,
+        per_rank_batch,
+        config,
+        epochs,
+        artifacts,
+        Some(timeout),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn train_example_cnn_run(
+    group: Option<Arc<dyn ProcessGroup>>,
+    replicas: usize,
+    world_size: usize,
+    steps: usize,
+    per_rank_batch: usize,
+    config: DdpConfig,
+    epochs: usize,
+    artifacts: Option<std::path::PathBuf>,
+    from_env: Option<std::time::Duration>,
+) -> Result<Trained, DdpError> {
     let global_batch = per_rank_batch * world_size;
     let mut run = Run::new(Some(replicas), global_batch, steps * global_batch);
+    run.from_env = from_env;
     run.group = group;
     run.config = config;
     run.seed = 11;
@@ -875,4 +1068,54 @@ pub fn read_tensors(path: &std::path::Path) -> std::io::Result<Vec<Vec<f32>>> {
         at = end;
     }
     Ok(out)
+}
+
+/// Runs `f(rank, group)` for every rank of a `world_size` job whose ranks are threads of this
+/// test connected by `TcpGroup`s over loopback (process mode without processes: each rank has
+/// its own `SupervisedTraining`), with the store served by the test on a port the system
+/// picked. The threads are named like burn-ddp's rank threads.
+pub fn over_tcp<T: Send>(
+    world_size: usize,
+    f: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Sync,
+) -> Vec<Result<T, DdpError>> {
+    use burn_ddp::TcpGroup;
+    use burn_ddp::advanced::topology::{Topology, TopologySource};
+    use burn_ddp::group::TcpGroupOptions;
+    let store =
+        burn_ddp::advanced::store::StoreServer::bind("127.0.0.1:0".parse().expect("an address"))
+            .expect("a store on loopback");
+    let port = store.local_addr().port();
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world_size)
+            .map(|rank| {
+                std::thread::Builder::new()
+                    .name(format!("burn-ddp-rank-{rank}"))
+                    .spawn_scoped(s, move || -> Result<T, DdpError> {
+                        let topology = Topology {
+                            rank,
+                            world_size,
+                            local_rank: rank,
+                            local_world_size: world_size,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            agent_store: true,
+                            restart_count: 0,
+                            source: TopologySource::Torchrun,
+                        };
+                        let options = TcpGroupOptions {
+                            connect_timeout: std::time::Duration::from_secs(30),
+                        };
+                        let group: Arc<dyn ProcessGroup> =
+                            Arc::new(TcpGroup::connect(&topology, &options)?);
+                        Ok(f(rank, group))
+                    })
+                    .expect("a rank thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank thread that does not panic"))
+            .collect()
+    })
 }

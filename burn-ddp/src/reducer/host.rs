@@ -136,17 +136,24 @@ impl Reducer {
         let flattened = Instant::now();
         let mut report = HookReport::default();
         {
+            let hook = self.hook.clone();
+            // A hook that does not reduce the bookkeeping sees the gradients only; the reducer
+            // reduces the first bucket's bookkeeping itself, exactly.
+            let whole = hook.reduces_bookkeeping();
             let mut buckets: Vec<HostBucket<'_>> = buffers
                 .iter_mut()
                 .zip(layout.buckets())
                 .enumerate()
                 .map(|(index, (buffer, bucket))| HostBucket {
                     index,
-                    buffer,
+                    buffer: if whole {
+                        &mut buffer[..]
+                    } else {
+                        &mut buffer[..bucket.numel]
+                    },
                     gradients: bucket.numel,
                 })
                 .collect();
-            let hook = self.hook.clone();
             hook.reduce(
                 self.group.as_ref(),
                 &mut buckets,
@@ -154,6 +161,14 @@ impl Reducer {
                 self.timeout,
                 &mut report,
             )?;
+            drop(buckets);
+            if !whole && let Some(first) = buffers.first_mut() {
+                let tail = &mut first[tail.flags..];
+                if !tail.is_empty() {
+                    self.group.all_reduce(tail, options.op, self.timeout)?;
+                    report.bytes += tail.len() * 4;
+                }
+            }
         }
         self.stats.flatten += flattened - started;
         self.stats.all_reduce += flattened.elapsed();

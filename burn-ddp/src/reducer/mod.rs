@@ -88,11 +88,13 @@ pub(crate) struct Control {
     stop: f32,
     /// This rank's [`StopVote::signal`].
     signal: f32,
+    /// This rank's [`StopVote::out_of_data`].
+    out_of_data: f32,
 }
 
 impl Control {
     /// Number of control words.
-    pub(crate) const LEN: usize = 4;
+    pub(crate) const LEN: usize = 5;
 
     fn len(&self) -> usize {
         Self::LEN
@@ -104,16 +106,25 @@ impl Control {
             self.structure_changed,
             self.stop,
             self.signal,
+            self.out_of_data,
         ]
     }
 
     fn from_words(words: &[f32]) -> Option<Self> {
         match words {
-            [trainable_changed, structure_changed, stop, signal, ..] => Some(Self {
+            [
+                trainable_changed,
+                structure_changed,
+                stop,
+                signal,
+                out_of_data,
+                ..,
+            ] => Some(Self {
                 trainable_changed: *trainable_changed,
                 structure_changed: *structure_changed,
                 stop: *stop,
                 signal: *signal,
+                out_of_data: *out_of_data,
             }),
             _ => None,
         }
@@ -206,6 +217,14 @@ impl Reducer {
     /// trainable tensors changed.
     pub fn replica(&self) -> &ReplicaLayout {
         &self.agreed
+    }
+
+    /// Takes the last reduction out of the step count: it was the end-of-data check, not a
+    /// gradient synchronisation.
+    pub(crate) fn uncount_step(&mut self) {
+        self.stats.steps = self.stats.steps.saturating_sub(1);
+        let buckets = self.layout.buckets().len() as u64;
+        self.stats.buckets = self.stats.buckets.saturating_sub(buckets);
     }
 
     /// Communication counters since the reducer was built.
@@ -371,6 +390,7 @@ impl Reducer {
             structure_changed: f32::from(u8::from(changes.structure_changed || unknown > 0)),
             stop: f32::from(u8::from(options.stop.interrupt)),
             signal: f32::from(u8::from(options.stop.signal)),
+            out_of_data: f32::from(u8::from(options.stop.out_of_data)),
         };
         let on_device = self.group.reduces_device_tensors();
 
@@ -498,6 +518,7 @@ impl Reducer {
             stop: StopVote {
                 interrupt: reduced_control.stop > 0.0,
                 signal: reduced_control.signal > 0.0,
+                out_of_data: reduced_control.out_of_data > 0.0,
             },
             local_non_finite: options.check_finite && local_non_finite,
             non_finite: verdict.non_finite,
@@ -877,12 +898,16 @@ pub struct StopVote {
     pub interrupt: bool,
     /// A stop signal (SIGTERM, SIGINT, SIGHUP) arrived: stop and write a step checkpoint.
     pub signal: bool,
+    /// The rank has no batch left: it takes part in the step with no gradients (the same
+    /// collectives as every other rank, so even a group that cannot tell calls apart, NCCL,
+    /// learns it), and the ranks compare their batch counts.
+    pub out_of_data: bool,
 }
 
 impl StopVote {
-    /// Whether any stop was asked for.
+    /// Whether any stop was asked for (the end of the data included).
     pub fn any(&self) -> bool {
-        self.interrupt || self.signal
+        self.interrupt || self.signal || self.out_of_data
     }
 }
 

@@ -11,15 +11,14 @@ use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsAccumulator;
 use burn::train::{
-    EventProcessorTraining, LearnerEvent, LearningComponentsTypes, TrainingBackend, TrainingItem,
-    TrainingModel,
+    EventProcessorTraining, LearnerEvent, LearningComponentsTypes, TrainingBackend, TrainingModel,
 };
 
 use super::lock;
-use super::policy::{Agreement, OnNonFinite, StepPolicy, uneven};
+use super::policy::{Agreement, OnNonFinite, StepPolicy, end_of_data};
+use super::report::ValidOutput;
 use super::resume::wait_for_epoch_checkpoint;
-use super::validation::validate;
-use super::worker::{Leader, Role, Worker};
+use super::worker::{ModelOutput, Role, Worker};
 use crate::checkpoint::{DdpState, StepState};
 use crate::ddp::DistributedDataParallel;
 use crate::metrics::{EpochReport, RankReport};
@@ -43,7 +42,11 @@ struct Counters {
     synchronisations: u64,
 }
 
-impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
+impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC>
+where
+    ModelOutput<LC>: 'static,
+    ValidOutput<LC>: 'static,
+{
     /// Trains the epochs of `self.epochs`.
     pub(super) fn train_epochs(
         &mut self,
@@ -88,6 +91,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             let mut steps = 0u64;
             let mut step = skip;
             let mut stop = None;
+            self.start_reports(skip);
             let collectives_before = collectives.load(Ordering::Relaxed);
             // Local counts; the epoch's totals come with the end-of-epoch all-gather.
             let mut local_samples = 0u64;
@@ -106,7 +110,12 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                 // Join mode: every step starts with an agreement on who still has a batch (the
                 // weights of the reduction depend on it). Otherwise every rank has a batch until
                 // all run out together, and the stop votes ride in the gradient all-reduce: one
-                // collective per step.
+                // collective per step. A rank out of data takes part in one more reduction,
+                // without gradients and saying so: every rank issues the same collectives (even
+                // NCCL, which cannot tell calls apart, learns of uneven data), unless the others
+                // are inside an accumulation window or SyncBatchNorm's forward pass, where the
+                // reduction meets another collective (Mismatch on the CPU groups).
+                let out_of_data = !policy.join() && item.is_none();
                 let agreement = if policy.join() {
                     let started = Instant::now();
                     let agreement = self.agree(samples)?;
@@ -126,17 +135,6 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     }
                     Some(agreement)
                 } else {
-                    if item.is_none() {
-                        // Out of batches: so must every rank be. A barrier is a collective no
-                        // rank with a batch issues (it is in its gradient all-reduce), so uneven
-                        // data is a mismatch on both sides, reported as such.
-                        let started = Instant::now();
-                        self.group
-                            .barrier(self.config.timeout())
-                            .map_err(|err| uneven(err, self.rank, epoch, step, false))?;
-                        report.coordination += started.elapsed();
-                        break;
-                    }
                     None
                 };
                 if has_buffers && policy.may_skip() && policy.at_step_boundary() {
@@ -165,8 +163,11 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     // Join mode: this rank ran out of batches and contributes zeros.
                     None => (None, None),
                 };
-                let complete = policy.micro_batch_done();
-                let ready = if policy.accumulates() {
+                let ready = if out_of_data {
+                    // Micro-batches left over are dropped, as burn-train does.
+                    Some(None)
+                } else if policy.accumulates() {
+                    let complete = policy.micro_batch_done();
                     if let Some(grads) = grads {
                         accumulator.accumulate(&self.learner.model(), grads);
                     }
@@ -184,13 +185,27 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                             options.stop = StopVote {
                                 interrupt: self.interrupter.should_stop(),
                                 signal: self.signal().is_some(),
+                                out_of_data,
                             };
                             options
                         }
                     };
-                    let outcome = ddp
-                        .sync_gradients_with(&self.learner.model(), grads, &options)
-                        .map_err(|err| uneven(err, self.rank, epoch, step, true))?;
+                    let outcome =
+                        ddp.sync_gradients_with(&self.learner.model(), grads, &options)?;
+                    if outcome.stop.out_of_data {
+                        // Some rank is out of data: every rank is here, and compares batch
+                        // counts (one small all-gather, once per epoch when all is well).
+                        let started = Instant::now();
+                        let words = self.group.all_gather(
+                            &[u64::from(out_of_data), step as u64],
+                            self.config.timeout(),
+                        )?;
+                        report.coordination += started.elapsed();
+                        end_of_data(&words, self.rank, epoch, step)?;
+                        // Every rank ran out after as many batches: not a synchronisation.
+                        ddp.uncount_step();
+                        break;
+                    }
                     counters.synchronisations += 1;
                     if outcome.non_finite {
                         if policy.on_non_finite() == OnNonFinite::Fail {
@@ -232,7 +247,15 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     if every > 0 && counters.synchronisations.is_multiple_of(every) {
                         ddp.check_consistency(&self.learner.model(), counters.optimizer_steps)?;
                     }
+                    let every = self.config.checkpoint_every();
+                    let checkpoint_due = every > 0
+                        && !outcome.non_finite
+                        && counters.optimizer_steps.is_multiple_of(every);
                     if outcome.stop.interrupt {
+                        // The step is trained: its due checkpoint is written before stopping.
+                        if checkpoint_due {
+                            self.write_step_checkpoint(epoch, step + 1, &counters)?;
+                        }
                         stop = Some(Stop::Interrupted);
                     } else if outcome.stop.signal {
                         // Rare: one all-gather to name who was signalled, and with what.
@@ -247,46 +270,23 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                                 .map(|(r, s)| (r, *s as i32))
                                 .collect(),
                         ));
-                    } else {
-                        let every = self.config.checkpoint_every();
-                        if every > 0
-                            && !outcome.non_finite
-                            && counters.optimizer_steps.is_multiple_of(every)
-                        {
-                            self.write_step_checkpoint(epoch, step + 1, &counters)?;
-                        }
+                    } else if checkpoint_due {
+                        self.write_step_checkpoint(epoch, step + 1, &counters)?;
                     }
                 }
+                // Every rank reports every step (join mode: `None` without a batch), so rank 0
+                // can report one item per step covering the global batch.
+                let local = iterator.progress();
+                self.report_train(
+                    step,
+                    item,
+                    Progress::new(
+                        local.items_processed * world_size,
+                        local.items_total * world_size,
+                    ),
+                    &progress_global,
+                )?;
                 step += 1;
-
-                if let Some(item) = item {
-                    let local = iterator.progress();
-                    let item = TrainingItem::new(
-                        item,
-                        Progress::new(
-                            local.items_processed * world_size,
-                            local.items_total * world_size,
-                        ),
-                        progress_global.clone(),
-                        Some(step),
-                        Some(self.learner.lr_current()),
-                    );
-                    match &mut self.role {
-                        Role::Leader(leader) => {
-                            leader
-                                .event_processor
-                                .process_train(LearnerEvent::ProcessedItem(item));
-                            forward_pending(leader);
-                        }
-                        Role::Follower(sender) => {
-                            // Rank 0 only stops listening when training ends; a failed send
-                            // means it is gone, which the next collective reports.
-                            let _ = sender.send(item);
-                        }
-                        // Rank 0, in another process, reports its own items.
-                        Role::Silent(_) => {}
-                    }
-                }
                 if stop.is_some() {
                     // After the step that carried the vote (its batch is trained and counted).
                     break;
@@ -301,13 +301,21 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             let interrupted = stop.is_some();
 
             let mut stop_requested = interrupted;
+            // Rank 0 reports the steps still on their way (process mode: a gather), then every
+            // rank validates its shard (or rank 0 the whole set).
+            self.finish_train_reports(&progress_global)?;
             if let Role::Leader(leader) = &mut self.role {
-                forward_pending(leader);
                 leader
                     .event_processor
                     .process_train(LearnerEvent::EndEpoch(epoch));
-                if !interrupted {
-                    validate::<LC>(&self.learner, leader, &progress_global, &self.interrupter);
+            }
+            if !interrupted {
+                self.validate_epoch(&progress_global)?;
+            }
+            if let Role::Leader(leader) = &mut self.role
+                && !interrupted
+            {
+                {
                     if let Some(checkpointer) = &mut leader.checkpointer {
                         checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
                         // burn-train writes in the background: the barrier below must not let
@@ -490,14 +498,5 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             signalled,
             checkpoint,
         }
-    }
-}
-
-/// Hands the items other ranks sent so far to burn-train's event processor.
-fn forward_pending<LC: LearningComponentsTypes>(leader: &mut Leader<LC>) {
-    while let Ok(item) = leader.items.try_recv() {
-        leader
-            .event_processor
-            .process_train(LearnerEvent::ProcessedItem(item));
     }
 }

@@ -15,6 +15,7 @@
 
 mod epoch;
 mod policy;
+mod report;
 mod resume;
 mod validation;
 mod worker;
@@ -31,7 +32,8 @@ use burn::train::{
 
 use crate::group::{ProcessGroup, ThreadGroup};
 use crate::metrics::TrainingReport;
-use crate::{DdpConfig, DdpError, Result, UnevenInputs};
+use crate::{DdpConfig, DdpError, Result, UnevenInputs, Validation};
+use report::{Part, Reports};
 use resume::StepCheckpoints;
 use worker::{Leader, Role, Worker, run_all, split_train_loader};
 
@@ -88,6 +90,9 @@ pub struct DdpStrategy<LC: LearningComponentsTypes> {
     on_error: OnError,
     report: Arc<Mutex<TrainingReport>>,
     error: Arc<Mutex<Option<DdpError>>>,
+    /// Started again by a launcher after a failure (`burn-ddp run --max-restarts`): resume from
+    /// the newest complete checkpoint when a checkpoint directory is set.
+    restarted: bool,
 }
 
 impl<LC: LearningComponentsTypes> Clone for DdpStrategy<LC> {
@@ -99,6 +104,7 @@ impl<LC: LearningComponentsTypes> Clone for DdpStrategy<LC> {
             on_error: self.on_error,
             report: self.report.clone(),
             error: self.error.clone(),
+            restarted: self.restarted,
         }
     }
 }
@@ -114,7 +120,102 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
             on_error: OnError::Panic,
             report: Arc::default(),
             error: Arc::default(),
+            restarted: false,
         }
+    }
+
+    /// Threads or processes, whichever the environment says: the one call that makes a
+    /// single-device training data-parallel in either mode.
+    ///
+    /// - No launcher variables (`RANK`/`WORLD_SIZE`, Slurm's, Open MPI's; see
+    ///   [`Topology::from_env`](crate::advanced::Topology::from_env)): one replica per device of
+    ///   `devices`, each a thread of this process, as [`new`](Self::new).
+    /// - Started by `burn-ddp run`, torchrun, `srun` or `mpirun`: one replica in this process, on
+    ///   `devices[local_rank]`, or on `devices[0]` when it is the only one (a scheduler that
+    ///   leaves one GPU visible per task with `CUDA_VISIBLE_DEVICES`) or every entry is the same
+    ///   device (a CPU repeated for threads); the [`TcpGroup`] is built
+    ///   and connected here (the rendezvous waits for every rank, up to
+    ///   [`TcpGroupOptions::default`]'s timeout), as [`with_process_group`](Self::with_process_group).
+    /// - A restart by the launcher (`burn-ddp run --max-restarts`, `BURN_DDP_RESTART_COUNT` above
+    ///   0) resumes from the newest complete checkpoint when
+    ///   [`DdpConfig::with_checkpoint_dir`] is set, as if [`DdpConfig::with_resume`] were on.
+    ///
+    /// Pass every device of this machine you would train on (on CPU, the one device repeated
+    /// for the number of threads: `vec![Default::default(); 2]`); under a launcher the
+    /// process's [`crate::rank`], [`crate::world_size`] and [`crate::is_main_process`] answer
+    /// from then on.
+    ///
+    /// ```no_run
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn::train::{SupervisedTraining, LearningComponentsTypes};
+    /// # fn doc<LC: LearningComponentsTypes<Backend = Autodiff<Flex>> + Send + 'static>(training: SupervisedTraining<LC>) -> Result<SupervisedTraining<LC>, burn_ddp::DdpError> {
+    /// use burn_ddp::DdpStrategy;
+    /// // Two threads here; one process each under `burn-ddp run --nproc-per-node 2`.
+    /// let strategy = DdpStrategy::from_env(vec![Default::default(); 2])?;
+    /// Ok(training.with_training_strategy(strategy.into()))
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidConfig`] when `devices` is empty or a launcher variable is malformed;
+    /// the rendezvous's errors (timeout naming the ranks that did not arrive, an address peers
+    /// cannot use).
+    /// [`DdpError::InvalidConfig`] also when the local rank has no device of its own
+    /// (`local_rank >= devices.len()` among several different devices).
+    ///
+    /// [`TcpGroup`]: crate::TcpGroup
+    /// [`TcpGroupOptions::default`]: crate::group::TcpGroupOptions
+    pub fn from_env(devices: Vec<Device<TrainingBackend<LC>>>) -> Result<Self> {
+        Self::from_env_with(devices, &crate::group::TcpGroupOptions::default())
+    }
+
+    /// [`from_env`](Self::from_env) with the process group's connection options (the
+    /// rendezvous timeout).
+    ///
+    /// # Errors
+    /// As [`from_env`](Self::from_env).
+    pub fn from_env_with(
+        devices: Vec<Device<TrainingBackend<LC>>>,
+        options: &crate::group::TcpGroupOptions,
+    ) -> Result<Self> {
+        if devices.is_empty() {
+            return Err(DdpError::InvalidConfig(
+                "DdpStrategy::from_env needs at least one device, got none".into(),
+            ));
+        }
+        let Some(topology) = crate::topology::Topology::from_env()? else {
+            // `burn_ddp::world_size()` answers the replica count from here on (to build a
+            // DistributedDataLoader for it before training starts).
+            crate::context::set_process(0, devices.len());
+            return Ok(Self::new(devices));
+        };
+        let device = match devices.get(topology.local_rank) {
+            Some(device) => device.clone(),
+            // One device, or one device repeated (CPU threads): every process uses it.
+            None if devices.iter().all(|d| d == &devices[0]) => devices[0].clone(),
+            None => {
+                return Err(DdpError::InvalidConfig(format!(
+                    "rank {} has local rank {} but {} devices were given: run one process per \
+                     device (--nproc-per-node at most {}), or leave one device visible per \
+                     process",
+                    topology.rank,
+                    topology.local_rank,
+                    devices.len(),
+                    devices.len()
+                )));
+            }
+        };
+        let group = crate::TcpGroup::connect(&topology, options)?;
+        crate::context::set_process(topology.rank, topology.world_size);
+        let mut strategy = Self::with_process_group(device, Arc::new(group));
+        strategy.restarted = topology.restart_count > 0;
+        Ok(strategy)
+    }
+
+    /// Whether this process runs one replica of a multi-process job (as opposed to every
+    /// replica, as threads).
+    pub fn is_multi_process(&self) -> bool {
+        self.process_group.is_some()
     }
 
     /// One replica on `device` in this process, as rank `group.rank()` of a multi-process job
@@ -176,7 +277,11 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     }
 }
 
-impl<LC: LearningComponentsTypes + Send + 'static> From<DdpStrategy<LC>> for TrainingStrategy<LC> {
+impl<LC: LearningComponentsTypes + Send + 'static> From<DdpStrategy<LC>> for TrainingStrategy<LC>
+where
+    worker::ModelOutput<LC>: 'static,
+    report::ValidOutput<LC>: 'static,
+{
     fn from(strategy: DdpStrategy<LC>) -> Self {
         TrainingStrategy::Custom(Arc::new(strategy))
     }
@@ -197,7 +302,11 @@ pub trait DdpTraining<LC: LearningComponentsTypes> {
     ) -> Result<LearningResult<InferenceModel<LC>>>;
 }
 
-impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for SupervisedTraining<LC> {
+impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for SupervisedTraining<LC>
+where
+    worker::ModelOutput<LC>: 'static,
+    report::ValidOutput<LC>: 'static,
+{
     fn launch_ddp(
         self,
         learner: Learner<LC>,
@@ -221,6 +330,9 @@ pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl<LC: LearningComponentsTypes + Send + 'static> SupervisedLearningStrategy<LC>
     for DdpStrategy<LC>
+where
+    worker::ModelOutput<LC>: 'static,
+    report::ValidOutput<LC>: 'static,
 {
     fn fit(
         &self,
@@ -273,7 +385,11 @@ type RunOutcome<LC> = (
     Option<DdpError>,
 );
 
-impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
+impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC>
+where
+    worker::ModelOutput<LC>: 'static,
+    report::ValidOutput<LC>: 'static,
+{
     fn run(
         &self,
         components: TrainingComponents<LC>,
@@ -309,6 +425,13 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
                 ));
             }
             let local = local?;
+            // A DistributedDataLoader built for another world size, or one that pads the
+            // validation set, is refused before anything starts.
+            crate::sampler::check_loader(
+                &*dataloader_train,
+                crate::sampler::Purpose::Training { world_size },
+            )?;
+            crate::sampler::check_loader(&*dataloader_valid, crate::sampler::Purpose::Validation)?;
             let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
             let shards = split_train_loader::<LC>(
                 &dataloader_train,
@@ -325,8 +448,23 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
             Err(err) => return Ok((learner.model(), components.event_processor, Some(err))),
         };
         let first_rank = local.first().map_or(0, |(rank, _)| *rank);
+        // Outside the rank threads, a thread-mode process is the main process (rank 0 drives
+        // burn-train's events); a multi-process run is its group's rank.
+        crate::context::set_process(first_rank, world_size);
+        // A launcher's restart resumes when checkpoints are kept (`from_env`).
+        let resume_config =
+            if self.restarted && !self.config.resume() && self.config.checkpoint_dir().is_some() {
+                if first_rank == 0 {
+                    crate::log::info_console(
+                        "restarted by the launcher: resuming from the newest complete checkpoint",
+                    );
+                }
+                self.config.clone().with_resume(true)
+            } else {
+                self.config.clone()
+            };
         let resumed = resume::prepare(
-            &self.config,
+            &resume_config,
             &learner,
             components.checkpointer.as_ref(),
             starting_epoch,
@@ -344,14 +482,48 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
             ranks: Vec::new(),
         };
         let threads = self.process_group.is_none();
-        tracing::info!(
-            "burn-ddp: {world_size} replica(s) as {}, {} training items per rank, {}",
+        let start = format!(
+            "{world_size} replica(s) as {}, {} training items per rank, {}",
             if threads { "threads" } else { "processes" },
             shards[0].num_items(),
             self.config
         );
+        if first_rank == 0 {
+            crate::log::info_console(&start);
+        } else {
+            tracing::info!("burn-ddp: {start}");
+        }
 
-        let (sender, receiver) = mpsc::channel();
+        let (sender, receiver) = mpsc::channel::<Part<LC>>();
+        // What rank 0 reports: one joined item per step, and validation sharded, when burn-ddp
+        // can join the output types.
+        let valid_items = dataloader_valid.num_items();
+        let probe = Reports::<LC>::new(threads, self.config.metrics_every(), world_size);
+        let shard_validation = world_size > 1
+            && self.config.validation() == Validation::Sharded
+            && probe.can_shard_validation();
+        if world_size > 1 && first_rank == 0 {
+            if !probe.joins_training() {
+                crate::log::warn_console(&format!(
+                    "the training output type ({}) is not one burn-ddp can join \
+                     (burn_ddp::outputs::DistributedOutput): {}",
+                    std::any::type_name::<worker::ModelOutput<LC>>(),
+                    if threads {
+                        "every replica's item is reported on its own (one renderer line per \
+                         replica and step)"
+                    } else {
+                        "the training metrics cover rank 0's samples only"
+                    }
+                ));
+            }
+            if self.config.validation() == Validation::Sharded && !probe.can_shard_validation() {
+                crate::log::warn_console(&format!(
+                    "the validation output type ({}) is not one burn-ddp can join: rank 0 \
+                     validates the whole set alone",
+                    std::any::type_name::<report::ValidOutput<LC>>()
+                ));
+            }
+        }
         let mut receiver = Some(receiver);
         let mut processor = Some(components.event_processor);
         let mut validation = Some((
@@ -381,6 +553,16 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
                     (_, Some(event_processor), _) => Role::Silent(Box::new(event_processor)),
                     _ => Role::Follower(sender.clone()),
                 };
+                let mut reports = Reports::new(threads, self.config.metrics_every(), world_size);
+                reports.valid_items = valid_items;
+                if shard_validation {
+                    let range = crate::partition::chunk_range(valid_items, world_size, rank);
+                    reports.valid_shard = Some(
+                        dataloader_valid
+                            .slice(range.start, range.end)
+                            .to_device(&device),
+                    );
+                }
                 Worker {
                     rank,
                     group,
@@ -395,6 +577,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
                     report: self.report.clone(),
                     average_buffers: !threads && world_size > 1,
                     resume: resume.clone(),
+                    reports,
                 }
             })
             .collect();
@@ -403,6 +586,13 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC> {
 
         let (ranks, leader_parts, error) = run_all(workers, self.config.timeout());
         lock(&self.report).ranks = ranks;
+        if self.config.summary() && first_rank == 0 {
+            // The one-line switch gets the figures too, not only `launch_ddp` with a kept clone.
+            let report = lock(&self.report).clone();
+            if !report.epochs.is_empty() {
+                eprint!("{report}");
+            }
+        }
         match leader_parts {
             Some((model, processor)) => Ok((model, processor, error)),
             // Rank 0's thread could not be started or is stuck: burn-train's event processor is

@@ -2,7 +2,7 @@
 //! ranks' gradients are combined (join mode's weighting), when an optimizer step happens
 //! (gradient accumulation), what a step with uneven data or non-finite gradients means.
 
-use crate::group::{Collective, ReduceOp};
+use crate::group::ReduceOp;
 use crate::reducer::ReduceOptions;
 use crate::{DdpConfig, DdpError, NonFinite, Result, UnevenInputs};
 
@@ -50,39 +50,33 @@ impl Agreement {
     }
 }
 
-/// Without a per-step agreement (not join mode), a rank out of batches waits in a barrier while a
-/// rank with a batch is in its gradient all-reduce: the process group reports a
-/// [`DdpError::Mismatch`] on both (a barrier is a collective no step issues), which is uneven data.
-/// `has_batch`: whether this rank had a batch (it was reducing). Each rank names itself and the
-/// first peer whose call differed; other errors pass through.
-pub(super) fn uneven(
-    err: DdpError,
-    rank: usize,
-    epoch: usize,
-    step: usize,
-    has_batch: bool,
-) -> DdpError {
-    match err {
-        DdpError::Mismatch {
-            op, peer, peer_op, ..
-        } if (has_batch && peer_op == Collective::Barrier)
-            || (!has_batch && op == Collective::Barrier) =>
-        {
-            let (exhausted, remaining) = if has_batch {
-                (vec![peer], vec![rank])
-            } else {
-                (vec![rank], vec![peer])
-            };
-            DdpError::UnevenData {
-                rank,
-                epoch,
-                step,
-                exhausted,
-                remaining,
-            }
-        }
-        other => other,
+/// The end of the data without a per-step agreement (not join mode): after a reduction in which
+/// some rank said it is out of data, every rank all-gathers `[out of data, batches trained this
+/// epoch]` (`words`, rank-major). Fine when every rank is out of data after as many batches;
+/// otherwise the ranks with fewer batches are named against those with more.
+///
+/// # Errors
+/// [`DdpError::UnevenData`] (the same on every rank, but for `rank`).
+pub(super) fn end_of_data(words: &[u64], rank: usize, epoch: usize, step: usize) -> Result<()> {
+    let ranks: Vec<(u64, u64)> = words.chunks(2).map(|w| (w[0], w[1])).collect();
+    let most = ranks.iter().map(|&(_, batches)| batches).max().unwrap_or(0);
+    let all_out = ranks.iter().all(|&(out, _)| out != 0);
+    if all_out && ranks.iter().all(|&(_, batches)| batches == most) {
+        return Ok(());
     }
+    // Ranks still with a batch, or (all out) with more batches than others, are "remaining".
+    let remaining: Vec<usize> = (0..ranks.len())
+        .filter(|&r| ranks[r].0 == 0 || (all_out && ranks[r].1 == most))
+        .collect();
+    Err(DdpError::UnevenData {
+        rank,
+        epoch,
+        step,
+        exhausted: (0..ranks.len())
+            .filter(|r| !remaining.contains(r))
+            .collect(),
+        remaining,
+    })
 }
 
 /// What to do with a step whose reduced gradients are not finite.
@@ -213,54 +207,28 @@ mod tests {
     }
 
     #[test]
-    fn a_barrier_against_a_reduction_is_uneven_data_and_join_weights_by_samples() {
+    fn the_end_of_data_names_ranks_with_fewer_batches_and_join_weights_by_samples() {
         let plain = StepPolicy::new(&DdpConfig::default(), 1).unwrap();
-        let mismatch = |rank, op, peer, peer_op| DdpError::Mismatch {
-            rank,
-            op,
-            seq: 9,
-            peer,
-            peer_op,
-            peer_seq: 9,
-        };
-        let reduce = Collective::AllReduce {
-            op: ReduceOp::Avg,
-            len: 10,
-        };
-        // Rank 2 was reducing, rank 1 waited in the end-of-data barrier: both say so.
-        for (err, has_batch) in [
-            (mismatch(2, reduce, 1, Collective::Barrier), true),
-            (mismatch(1, Collective::Barrier, 2, reduce), false),
-        ] {
-            let rank = if has_batch { 2 } else { 1 };
-            match uneven(err, rank, 3, 7, has_batch) {
-                DdpError::UnevenData {
-                    rank: r,
-                    epoch,
-                    step,
-                    exhausted,
-                    remaining,
-                } => assert_eq!(
-                    (r, epoch, step, exhausted, remaining),
-                    (rank, 3, 7, vec![1], vec![2])
-                ),
-                other => panic!("expected UnevenData, got {other:?}"),
+        // Everyone out after 5 batches: fine.
+        assert!(end_of_data(&[1, 5, 1, 5, 1, 5], 0, 1, 5).is_ok());
+        let uneven = |words: &[u64]| match end_of_data(words, 2, 3, 7) {
+            Err(DdpError::UnevenData {
+                rank,
+                epoch,
+                step,
+                exhausted,
+                remaining,
+            }) => {
+                assert_eq!((rank, epoch, step), (2, 3, 7));
+                (exhausted, remaining)
             }
-        }
-        // Any other mismatch (two reductions of different lengths), or error, passes through.
-        let other = mismatch(
-            0,
-            reduce,
-            1,
-            Collective::AllReduce {
-                op: ReduceOp::Avg,
-                len: 11,
-            },
-        );
-        assert!(matches!(
-            uneven(other, 0, 1, 1, true),
-            DdpError::Mismatch { .. }
-        ));
+            other => panic!("expected UnevenData, got {other:?}"),
+        };
+        // Rank 1 is out, ranks 0 and 2 still have a batch.
+        assert_eq!(uneven(&[0, 7, 1, 7, 0, 7]), (vec![1], vec![0, 2]));
+        // All out, but rank 0 trained 7 micro-batches and the others 5 (an accumulation window
+        // left over on one rank only).
+        assert_eq!(uneven(&[1, 7, 1, 5, 1, 5]), (vec![1, 2], vec![0]));
         let join = StepPolicy::new(
             &DdpConfig::default().with_uneven_inputs(UnevenInputs::Join),
             1,

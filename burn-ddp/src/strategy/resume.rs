@@ -194,13 +194,13 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
                 resume.optimizer_steps = state.optimizer_steps;
                 resume.synchronisations = resume.synchronisations.max(state.synchronisations);
                 if state.world_size != world_size && rank == 0 {
-                    tracing::warn!(
-                        "burn-ddp: resuming after epoch {finished}, written by a job of world size \
-                         {}, with world size {world_size}: the data is re-sharded (with \
+                    crate::log::warn_console(&format!(
+                        "resuming after epoch {finished}, written by a job of world size {}, \
+                         with world size {world_size}: the data is re-sharded (with \
                          DistributedSampler every step still sees the same samples if the global \
                          batch is the same, i.e. the per-rank batch times the world size)",
                         state.world_size
-                    );
+                    ));
                 }
             }
             Ok(None) => {}

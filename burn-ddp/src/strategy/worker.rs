@@ -13,9 +13,10 @@ use burn::train::metric::store::EventStoreClient;
 use burn::train::{
     CloneEarlyStoppingStrategy, Interrupter, Learner, LearningCheckpointer,
     LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
-    TrainingBackend, TrainingItem, TrainingModel, ValidLoader,
+    TrainingBackend, TrainingModel, ValidLoader,
 };
 
+use super::report::{Part, Reports, ValidOutput};
 use super::resume::{Resume, StepCheckpoints};
 use crate::ddp::DistributedDataParallel;
 use crate::group::ProcessGroup;
@@ -35,7 +36,8 @@ pub(super) struct Leader<LC: LearningComponentsTypes> {
     pub step_checkpoints: Option<StepCheckpoints<LC>>,
     pub early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
     pub event_store: Arc<EventStoreClient>,
-    pub items: Receiver<TrainingItem<ModelOutput<LC>>>,
+    /// The outputs of the ranks that are threads of this process.
+    pub items: Receiver<Part<LC>>,
 }
 
 /// Where a rank's training items go.
@@ -43,7 +45,7 @@ pub(super) enum Role<LC: LearningComponentsTypes> {
     /// Global rank 0.
     Leader(Box<Leader<LC>>),
     /// Another rank in the same process: its items go to rank 0.
-    Follower(Sender<TrainingItem<ModelOutput<LC>>>),
+    Follower(Sender<Part<LC>>),
     /// Another rank in its own process: emits nothing, but hands this process's event processor
     /// back to burn-train.
     Silent(Box<SupervisedTrainingEventProcessor<LC>>),
@@ -67,6 +69,8 @@ pub(super) struct Worker<LC: LearningComponentsTypes> {
     pub average_buffers: bool,
     /// Where the run starts: batches of the first epoch to skip, counters so far.
     pub resume: Resume,
+    /// What rank 0 reports to burn-train, and this rank's validation shard.
+    pub reports: Reports<LC>,
 }
 
 /// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
@@ -76,9 +80,15 @@ pub(super) struct Finished<LC: LearningComponentsTypes> {
     pub leader: Option<(TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>)>,
 }
 
-impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
+impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC>
+where
+    ModelOutput<LC>: 'static,
+    ValidOutput<LC>: 'static,
+{
     /// Trains this rank to the end (or its failure), catching panics.
     pub fn run(mut self) -> Finished<LC> {
+        // `burn_ddp::rank()` in user code on this thread (a train step, a metric) answers this rank.
+        let _rank = crate::context::enter_rank(self.rank, self.group.world_size());
         let mut report = RankReport {
             rank: self.rank,
             ..RankReport::default()
@@ -151,6 +161,9 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
             *self.epochs.end() as u64,
             self.resume.batches as u64,
             self.config.semantics_fingerprint() ^ self.grad_accumulation as u64,
+            // They set the cadence of the consistency check and of step checkpoints.
+            self.resume.synchronisations,
+            self.resume.optimizer_steps,
         ];
         let all = self.group.all_gather(&mine, self.config.timeout())?;
         if let Some((other, theirs)) = all
@@ -163,6 +176,12 @@ impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC> {
                     "rank {} trains epochs {}..={} from batch {} but rank {other} trains {}..={} \
                      from batch {} (resumed from different checkpoints?)",
                     self.rank, mine[0], mine[1], mine[2], theirs[0], theirs[1], theirs[2]
+                )
+            } else if theirs[4..] != mine[4..] {
+                format!(
+                    "rank {} resumes after {} gradient synchronisations ({} optimizer steps) but \
+                     rank {other} after {} ({}): they read different checkpoint states",
+                    self.rank, mine[4], mine[5], theirs[4], theirs[5]
                 )
             } else {
                 format!(
@@ -199,7 +218,11 @@ pub(super) type Collected<LC> = (
 pub(super) fn run_all<LC: LearningComponentsTypes + Send + 'static>(
     workers: Vec<Worker<LC>>,
     grace: std::time::Duration,
-) -> Collected<LC> {
+) -> Collected<LC>
+where
+    ModelOutput<LC>: 'static,
+    ValidOutput<LC>: 'static,
+{
     // Plain (not scoped) threads: if a rank is stuck in user code after another failed,
     // `fit` must still return the error instead of joining it forever.
     let (done_tx, done_rx) = mpsc::channel::<(usize, Finished<LC>)>();
@@ -305,12 +328,13 @@ pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
             "the training set has {items} items, fewer than the {world_size} replicas"
         )));
     }
-    if !join && !items.is_multiple_of(world_size) {
-        tracing::warn!(
-            "burn-ddp: {items} training items do not divide between {world_size} replicas; the \
-             last {} are not used (use DistributedDataLoader to pad instead)",
+    if !join && !items.is_multiple_of(world_size) && ranks.contains(&0) {
+        // It changes what is trained: on the console, not only in burn-train's log file.
+        crate::log::warn_console(&format!(
+            "{items} training items do not divide between {world_size} replicas; the last {} \
+             are not used (use DistributedDataLoader to pad instead)",
             items % world_size
-        );
+        ));
     }
     Ok(ranks
         .iter()

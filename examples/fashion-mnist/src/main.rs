@@ -18,15 +18,13 @@ use burn::data::dataset::InMemDataset;
 use burn::optim::AdamConfig;
 use burn::record::CompactRecorder;
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::logger::InMemoryMetricLogger;
+use burn::train::logger::FileMetricLogger;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ExecutionStrategy, Learner, SupervisedTraining};
-use burn_ddp::advanced::Topology;
 use burn_ddp::checkpoint::AtomicRecorder;
-use burn_ddp::group::TcpGroupOptions;
+use burn_ddp::metrics::{MainProcessLogger, MainProcessRenderer};
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataLoader, DistributedSampler,
-    TcpGroup,
 };
 use clap::{Parser, ValueEnum};
 
@@ -86,6 +84,9 @@ struct Args {
     /// SIGTERM/SIGINT).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
+    /// Background threads per replica that build the next batches (PyTorch's `num_workers`).
+    #[arg(long, default_value_t = 0)]
+    loader_workers: usize,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -108,7 +109,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,burn_ddp=info".into()),
+                // burn_ddp::log's events are printed to the console by burn-ddp already.
+                .unwrap_or_else(|_| "warn,burn_ddp=info,burn_ddp::log=off".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -143,148 +145,87 @@ impl From<String> for Failure {
     }
 }
 
-/// Where this process's replicas run: threads of this process (`--workers`), or one replica in
-/// each process of a job started by `burn-ddp run`, torchrun, srun or mpirun.
-enum Job {
-    Threads(usize),
-    Process(Topology),
-}
-
-impl Job {
-    fn world_size(&self) -> usize {
-        match self {
-            Job::Threads(n) => *n,
-            Job::Process(t) => t.world_size,
-        }
-    }
-
-    fn rank(&self) -> usize {
-        match self {
-            Job::Threads(_) => 0,
-            Job::Process(t) => t.rank,
-        }
-    }
-
-    /// The local replicas' device indices (GPU ordinals on CUDA).
-    fn local_devices(&self) -> Vec<usize> {
-        match self {
-            Job::Threads(n) => (0..*n).collect(),
-            Job::Process(t) => vec![t.local_rank],
-        }
-    }
-}
-
 fn run_with_backend(args: &Args) -> Result<(), Failure> {
-    let job = match Topology::from_env().map_err(|e| e.to_string())? {
-        Some(topology) => Job::Process(topology),
-        None => Job::Threads(workers(args)?),
-    };
-    if !args.batch_size.is_multiple_of(job.world_size()) {
-        return Err(Failure::Other(format!(
-            "--batch-size {} does not divide between {} replicas: the global batch is split evenly",
-            args.batch_size,
-            job.world_size()
-        )));
+    // One CPU device repeated: one replica (thread) each. Under a launcher each process is one
+    // replica and DdpStrategy::from_env uses the one device.
+    let cpu = args.workers.unwrap_or(2);
+    if cpu == 0 {
+        return Err(Failure::Other("--workers must be at least 1".into()));
     }
-    // One CPU device: every replica uses it (one thread each).
     match (args.device, args.backend) {
         (DeviceKind::Cpu, CpuBackend::Flex) => {
-            train::<Autodiff<Flex>>(args, &job, |_| Default::default())
+            train::<Autodiff<Flex>>(args, vec![Default::default(); cpu])
         }
         (DeviceKind::Cpu, CpuBackend::Ndarray) => {
-            train::<Autodiff<NdArray>>(args, &job, |_| Default::default())
+            train::<Autodiff<NdArray>>(args, vec![Default::default(); cpu])
         }
-        (DeviceKind::Cuda, _) => cuda(args, &job),
+        (DeviceKind::Cuda, _) => cuda(args),
     }
-}
-
-/// The replicas of this process: `--workers`, or 2 on CPU and every visible GPU on CUDA.
-fn workers(args: &Args) -> Result<usize, String> {
-    let workers = match (args.workers, args.device) {
-        (Some(workers), _) => workers,
-        (None, DeviceKind::Cpu) => 2,
-        (None, DeviceKind::Cuda) => cuda_devices()?,
-    };
-    if workers == 0 {
-        return Err("--workers must be at least 1".into());
-    }
-    if args.device == DeviceKind::Cuda {
-        // NCCL puts one rank per GPU.
-        let gpus = cuda_devices()?;
-        if workers > gpus {
-            return Err(format!(
-                "--workers {workers} but {gpus} CUDA device(s) visible: one replica per GPU"
-            ));
-        }
-    }
-    Ok(workers)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_devices() -> Result<usize, String> {
-    burn_ddp::nccl::cuda_device_count().map_err(|e| e.to_string())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_devices() -> Result<usize, String> {
-    Err(NO_CUDA.into())
 }
 
 #[cfg(not(feature = "cuda"))]
 const NO_CUDA: &str = "this binary was built without CUDA: rebuild with `--features cuda` \
      (cargo xtask example fashion-mnist --features cuda -- --device cuda)";
 
+/// Every visible GPU (or the first `--workers`): one replica each as threads; under a launcher,
+/// DdpStrategy::from_env takes the process's GPU by local rank (or the only visible one).
 #[cfg(feature = "cuda")]
-fn cuda(args: &Args, job: &Job) -> Result<(), Failure> {
+fn cuda(args: &Args) -> Result<(), Failure> {
     use burn::backend::Cuda;
     use burn::backend::cuda::CudaDevice;
     // A clear error instead of a panic in Burn when there is no NVIDIA driver or NVRTC.
     burn_ddp::nccl::check_cuda_driver().map_err(|e| e.to_string())?;
-    let gpus = cuda_devices()?;
-    let index = match job {
-        Job::Threads(_) => None,
-        // One process per GPU: its local rank, or the one GPU a scheduler left visible to it
-        // (CUDA_VISIBLE_DEVICES set per task, as Slurm does).
-        Job::Process(topology) if topology.local_rank < gpus => None,
-        Job::Process(_) if gpus == 1 => Some(0),
-        Job::Process(topology) => {
-            return Err(Failure::Other(format!(
-                "local rank {} has no GPU: {gpus} CUDA device(s) visible; run one process per GPU",
-                topology.local_rank
-            )));
-        }
-    };
-    train::<Autodiff<Cuda>>(args, job, |i| CudaDevice::new(index.unwrap_or(i)))
+    let gpus = burn_ddp::nccl::cuda_device_count().map_err(|e| e.to_string())?;
+    let workers = args.workers.unwrap_or(gpus);
+    if workers == 0 || workers > gpus {
+        return Err(Failure::Other(format!(
+            "--workers {workers} but {gpus} CUDA device(s) visible: one replica per GPU"
+        )));
+    }
+    train::<Autodiff<Cuda>>(args, (0..workers).map(CudaDevice::new).collect())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda(_args: &Args, _job: &Job) -> Result<(), Failure> {
+fn cuda(_args: &Args) -> Result<(), Failure> {
     Err(Failure::Other(NO_CUDA.into()))
 }
 
-fn train<B: AutodiffBackend>(
-    args: &Args,
-    job: &Job,
-    device_of: impl Fn(usize) -> B::Device,
-) -> Result<(), Failure> {
-    let rank = job.rank();
-    let world_size = job.world_size();
-    let devices: Vec<B::Device> = job.local_devices().into_iter().map(device_of).collect();
+fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(), Failure> {
+    // Plain Burn on one device (the reference), unless --ddp or a launcher started us.
+    let plain = devices.len() == 1 && !args.ddp && burn_ddp::world_size() == 1;
+    // The one call: threads without launcher variables, this process's rank (its device, its
+    // connected process group, a restart noticed) under `burn-ddp run`, torchrun, srun, mpirun.
+    let strategy = if plain {
+        None
+    } else {
+        Some(DdpStrategy::from_env(devices.clone()).map_err(|e| e.to_string())?)
+    };
+    let world_size = strategy.as_ref().map_or(1, DdpStrategy::world_size);
+    let multi_process = strategy.as_ref().is_some_and(DdpStrategy::is_multi_process);
+    if !args.batch_size.is_multiple_of(world_size) {
+        return Err(Failure::Other(format!(
+            "--batch-size {} does not divide between {world_size} replicas: the global batch is \
+             split evenly",
+            args.batch_size
+        )));
+    }
+    let device = devices[0].clone();
     let dataset = data::load(args.data.as_deref()).map_err(|e| e.to_string())?;
     let mut train_items = dataset.train;
     if let Some(limit) = args.train_limit {
         train_items.truncate(limit);
     }
-    if rank == 0 {
+    if burn_ddp::is_main_process() {
         println!(
             "Fashion-MNIST from {}: {} training images, {} test images; {} replica(s) as {}, global batch {}, {} backend",
             dataset.source.display(),
             train_items.len(),
             dataset.test.len(),
             world_size,
-            match job {
-                Job::Threads(_) => "threads",
-                Job::Process(_) => "processes",
+            if multi_process {
+                "processes"
+            } else {
+                "threads"
             },
             args.batch_size,
             match args.device {
@@ -297,16 +238,10 @@ fn train<B: AutodiffBackend>(
         );
     }
 
-    let device = devices[0].clone();
     B::seed(&device, args.seed);
     let model = Cnn::<B>::new(&device);
     // Burn creates parameters lazily; create them now, from the seed, on this thread.
     let _ = burn_ddp::advanced::value_fingerprint(&model);
-
-    // Resume from the newest complete checkpoint when asked, or when the launcher restarted us.
-    let restarted = std::env::var(burn_ddp::advanced::topology::RESTART_COUNT_VAR)
-        .is_ok_and(|count| count != "0");
-    let resume = args.resume || restarted;
 
     let train_len = train_items.len();
     let sampler = DistributedSampler::new(train_len, world_size)
@@ -321,7 +256,8 @@ fn train<B: AutodiffBackend>(
             device.clone(),
         )
         // No `with_epoch` on resume: under DdpStrategy the loader follows burn-train's epoch.
-        .map_err(|e| e.to_string())?,
+        .map_err(|e| e.to_string())?
+        .with_num_workers(args.loader_workers),
     );
     let test_loader = DataLoaderBuilder::new(FashionBatcher)
         .batch_size(256)
@@ -329,74 +265,37 @@ fn train<B: AutodiffBackend>(
         .build(InMemDataset::<FashionItem>::new(dataset.test));
 
     let learner = Learner::new(model, AdamConfig::new().init(), args.lr);
-    // Every rank reads checkpoints from the same directory; only rank 0 writes them and logs
-    // metrics there (the others keep their, empty, metric logs in memory).
+    // Every rank reads checkpoints from the same directory; only rank 0 renders, logs metrics
+    // and writes checkpoints.
     let mut training = SupervisedTraining::new(&args.artifacts, train_loader, test_loader)
         .metrics((AccuracyMetric::new(), LossMetric::new()))
         .num_epochs(args.epochs)
-        .renderer(printer::EpochPrinter::new(rank == 0))
+        .renderer(MainProcessRenderer::new(printer::EpochPrinter::new()))
+        .with_metric_logger(MainProcessLogger::new(FileMetricLogger::new(
+            &args.artifacts,
+        )))
         .with_application_logger(None);
-    if rank != 0 {
-        training = training.with_metric_logger(InMemoryMetricLogger::new());
-    }
-    let checkpoints = args.checkpoint || resume || job_restartable();
-    if checkpoints {
+    // Under a launcher a restart resumes, so checkpoints are always written there.
+    if args.checkpoint || args.resume || multi_process {
         // Atomic: a checkpoint file is the old one or the complete new one, never half written.
         training = training.with_file_checkpointer(AtomicRecorder::new(CompactRecorder::new()));
     }
+    let Some(strategy) = strategy else {
+        training
+            .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
+            .launch(learner);
+        return Ok(());
+    };
     // Step checkpoints (SIGTERM/SIGINT, --checkpoint-every) and the resume go to the same place
-    // as burn-train's epoch checkpoints.
+    // as burn-train's epoch checkpoints; a restart by the launcher resumes by itself.
     let config = DdpConfig::default()
         .with_checkpoint_dir(args.artifacts.join("checkpoint"))
-        .with_resume(resume)
+        .with_resume(args.resume)
         .with_checkpoint_every(args.checkpoint_every);
-
-    let strategy = match job {
-        Job::Threads(1) if !args.ddp => {
-            training
-                .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
-                .launch(learner);
-            return Ok(());
-        }
-        Job::Threads(_) => DdpStrategy::new(devices),
-        Job::Process(topology) => {
-            let group = TcpGroup::connect(topology, &TcpGroupOptions::default())
-                .map_err(|e| e.to_string())?;
-            DdpStrategy::with_process_group(device, Arc::new(group))
-        }
+    // burn-ddp prints its report (samples/s, time per rank) at the end of training.
+    match training.launch_ddp(learner, strategy.with_config(config)) {
+        Ok(_) => Ok(()),
+        Err(e @ DdpError::Preempted { .. }) => Err(Failure::Stopped(e.to_string())),
+        Err(e) => Err(Failure::Other(format!("training failed: {e}"))),
     }
-    .with_config(config);
-    let handle = strategy.clone();
-    match training.launch_ddp(learner, strategy) {
-        Ok(_) => {}
-        Err(e @ DdpError::Preempted { .. }) => return Err(Failure::Stopped(e.to_string())),
-        Err(e) => return Err(Failure::Other(format!("training failed: {e}"))),
-    }
-    let report = handle.report();
-    if report.ranks.is_empty() || (rank != 0 && matches!(job, Job::Process(_))) {
-        return Ok(());
-    }
-    println!("time per rank (forward+backward / gradient sync incl. waiting / optimizer):");
-    for rank in &report.ranks {
-        println!(
-            "  rank {}: {} batches, compute {:.1} s, communication {:.2} s ({:.1} MiB all-reduced, \
-             {:.2} s in all-reduce, {:.2} s agreement; {:.2} collectives per step), optimizer \
-             {:.2} s",
-            rank.rank,
-            rank.batches,
-            rank.compute.as_secs_f64(),
-            (rank.comm.total() + rank.coordination).as_secs_f64(),
-            rank.comm.bytes as f64 / (1024.0 * 1024.0),
-            rank.comm.all_reduce.as_secs_f64(),
-            rank.coordination.as_secs_f64(),
-            rank.collectives_per_step(),
-            rank.optimizer.as_secs_f64(),
-        );
-    }
-    Ok(())
-}
-
-/// Whether a launcher may restart this job (then checkpoints are written so it can resume).
-fn job_restartable() -> bool {
-    std::env::var(burn_ddp::advanced::topology::LAUNCHER_VAR).is_ok()
 }

@@ -55,16 +55,12 @@ struct Epoch {
 pub struct EpochPrinter {
     names: HashMap<MetricId, String>,
     epoch: Epoch,
-    silent: bool,
 }
 
 impl EpochPrinter {
-    /// A printer; `visible: false` prints nothing (ranks other than 0).
-    pub fn new(visible: bool) -> Self {
-        Self {
-            silent: !visible,
-            ..Self::default()
-        }
+    /// A printer (wrap it in `burn_ddp::metrics::MainProcessRenderer` so only rank 0 prints).
+    pub fn new() -> Self {
+        Self::default()
     }
 
     fn name(&self, state: &MetricState) -> Option<(&str, NumericEntry)> {
@@ -92,7 +88,7 @@ impl EpochPrinter {
 
     fn print(&mut self) {
         let e = &self.epoch;
-        if e.number == 0 || self.silent {
+        if e.number == 0 {
             return;
         }
         let loss = e
@@ -138,8 +134,7 @@ impl MetricsRendererTraining for EpochPrinter {
         if let Some(progress) = item.progress {
             self.epoch.samples = self.epoch.samples.max(progress.items_processed);
             let e = &mut self.epoch;
-            if !self.silent
-                && e.next_tenth < 10
+            if e.next_tenth < 10
                 && progress.items_processed * 10 >= e.next_tenth * progress.items_total
             {
                 let loss = e

@@ -21,14 +21,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
+use burn_ddp::DdpConfig;
 use burn_ddp::advanced::Topology;
 use burn_ddp::advanced::launch::{LaunchConfig, launch};
-use burn_ddp::group::TcpGroupOptions;
-use burn_ddp::{DdpConfig, ProcessGroup, TcpGroup};
-use burn_ddp_tests::{STEP_HOOK, train_example_cnn_for, write_tensors};
+use burn_ddp_tests::{STEP_HOOK, train_example_cnn_from_env, write_tensors};
 
 struct Args {
     out: Option<PathBuf>,
@@ -210,21 +208,6 @@ fn main() -> ExitCode {
         }
         std::thread::sleep(delay);
     }));
-    let group: Option<Arc<dyn ProcessGroup>> = match &topology {
-        None => None,
-        Some(topology) => {
-            let options = TcpGroupOptions {
-                connect_timeout: args.timeout,
-            };
-            match TcpGroup::connect(topology, &options) {
-                Ok(group) => Some(Arc::new(group)),
-                Err(e) => {
-                    eprintln!("ddp-worker rank {}: {e}", topology.rank);
-                    return ExitCode::FAILURE;
-                }
-            }
-        }
-    };
     let rank = process_rank.unwrap_or(0);
     let mut config = DdpConfig::default()
         .with_timeout(args.timeout)
@@ -234,17 +217,20 @@ fn main() -> ExitCode {
             .with_first_bucket_cap_bytes(first)
             .with_bucket_cap_bytes(rest);
     }
-    if args.resume || attempt > 0 {
+    // A restart by the launcher resumes by itself (DdpStrategy::from_env notices it).
+    if args.resume {
         config = config.with_resume(true);
     }
-    match train_example_cnn_for(
-        group,
+    // Threads (--threads) or this process's rank, built from the launcher's environment in one
+    // call, as a user's program would.
+    match train_example_cnn_from_env(
         args.threads.unwrap_or(1),
         args.steps,
         args.per_rank_batch,
         config,
         args.epochs,
         args.checkpoint_dir.clone(),
+        args.timeout,
     ) {
         Ok((tensors, _)) => {
             if rank == 0

@@ -1,0 +1,27 @@
+//! Messages the user must see: a warning that changes what is trained goes to the console
+//! (stderr) as well as to `tracing`, because burn-train's application logger sends `tracing`
+//! events to its `experiment.log` only. Their `tracing` target is `burn_ddp::log`: a subscriber
+//! that prints to the console too can leave it out (`burn_ddp::log=off`) to avoid seeing them twice.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+/// Logs `message` as a `tracing` warning and prints it to stderr, once per process and message
+/// (ranks that are threads of one process would print it once each otherwise).
+pub(crate) fn warn_console(message: &str) {
+    static SEEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+    tracing::warn!("burn-ddp: {message}");
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if seen
+        .get_or_insert_with(HashSet::new)
+        .insert(message.to_string())
+    {
+        eprintln!("burn-ddp: warning: {message}");
+    }
+}
+
+/// Logs `message` as a `tracing` info event and prints it to stderr.
+pub(crate) fn info_console(message: &str) {
+    tracing::info!("burn-ddp: {message}");
+    eprintln!("burn-ddp: {message}");
+}

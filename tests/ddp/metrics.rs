@@ -1,0 +1,211 @@
+//! What burn-train's renderer and metrics see under `DdpStrategy`: one item per step covering the
+//! global batch, with iterations 1..N, and validation sharded across the ranks with metrics equal
+//! to single-device validation on the whole set; in thread and in process mode.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use burn::module::Module;
+use burn::optim::SgdConfig;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn_ddp_tests::{
+    Batch, Mlp, Recording, Run, SplitSeen, TestBackend, device, materialized, over_tcp,
+    run_training,
+};
+
+/// Validation batches per thread name (rank threads are named `burn-ddp-rank-R`).
+static VALIDATED: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
+
+/// What `burn_ddp::rank()` and `world_size()` answered in train steps, per thread name.
+static TRAINED_BY: Mutex<BTreeMap<String, std::collections::BTreeSet<(usize, usize)>>> =
+    Mutex::new(BTreeMap::new());
+
+/// The tests of this module one at a time (their rank threads have the same names).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The MLP, counting its validation batches per thread.
+#[derive(Module, Debug)]
+pub struct Counting<B: Backend> {
+    inner: Mlp<B>,
+}
+
+impl<B: AutodiffBackend> TrainStep for Counting<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let thread = std::thread::current()
+            .name()
+            .unwrap_or_default()
+            .to_string();
+        if let Ok(mut seen) = TRAINED_BY.lock() {
+            seen.entry(thread)
+                .or_default()
+                .insert((burn_ddp::rank(), burn_ddp::world_size()));
+        }
+        TrainStep::step(&self.inner, batch)
+    }
+}
+
+impl<B: Backend> InferenceStep for Counting<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        let thread = std::thread::current()
+            .name()
+            .unwrap_or_default()
+            .to_string();
+        if let Ok(mut counts) = VALIDATED.lock() {
+            *counts.entry(thread).or_default() += 1;
+        }
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
+/// Trains (or, with `lr` 0, only validates) the MLP and returns what rank 0's renderer saw:
+/// on one device (`ranks` 0), on `ranks` threads, or on `ranks` TCP "processes".
+fn seen(
+    model: &Counting<TestBackend>,
+    ranks: usize,
+    tcp: bool,
+    mut run: Run,
+    lr: f64,
+) -> (SplitSeen, SplitSeen) {
+    let model = model.clone();
+    if tcp {
+        let recordings = over_tcp(ranks, |_, group| {
+            let mut run = Run {
+                group: Some(group),
+                recording: Some(Recording::default()),
+                ..run.clone()
+            };
+            run.replicas = None;
+            let recording = run.recording.clone().unwrap();
+            run_training(model.clone(), SgdConfig::new().init(), lr, &run).unwrap();
+            recording.seen()
+        });
+        return recordings.into_iter().next().unwrap().unwrap();
+    }
+    run.replicas = (ranks > 0).then_some(ranks);
+    let recording = Recording::default();
+    run.recording = Some(recording.clone());
+    run_training(model, SgdConfig::new().init(), lr, &run).unwrap();
+    recording.seen()
+}
+
+fn close(a: f64, b: f64, tolerance: f64) -> bool {
+    (a - b).abs() <= tolerance * b.abs().max(1e-12)
+}
+
+#[test]
+fn validation_over_10_items_gives_single_device_metrics_on_1_2_and_3_ranks() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // Learning rate 0: every run validates the same model; only where validation runs differs.
+    let model = materialized(Counting {
+        inner: Mlp::new(&device()),
+    });
+    let mut run = Run::new(None, 12, 24);
+    run.valid_samples = Some(10);
+    run.valid_batch = 2;
+    let (_, single) = seen(&model, 0, false, run.clone(), 0.0);
+    assert_eq!(single.iterations.len(), 5, "10 items in batches of 2");
+    for (ranks, tcp) in [(1, false), (2, false), (3, false), (2, true), (3, true)] {
+        VALIDATED.lock().unwrap().clear();
+        let (_, valid) = seen(&model, ranks, tcp, run.clone(), 0.0);
+        // Every rank validated its shard of 10 / ranks items (batches of 2), no rank the
+        // whole set.
+        let counts = VALIDATED.lock().unwrap().clone();
+        for rank in 0..ranks {
+            let shard = 10 / ranks + usize::from(rank < 10 % ranks);
+            let thread = if ranks == 1 && !tcp {
+                // One replica trains on the calling thread.
+                std::thread::current()
+                    .name()
+                    .unwrap_or_default()
+                    .to_string()
+            } else {
+                format!("burn-ddp-rank-{rank}")
+            };
+            assert_eq!(
+                counts.get(&thread).copied(),
+                Some(shard.div_ceil(2)),
+                "{ranks} ranks (tcp: {tcp}): validation batches per thread {counts:?}"
+            );
+        }
+        for metric in ["Loss", "Accuracy"] {
+            let (got, want) = (valid.weighted(metric), single.weighted(metric));
+            assert!(
+                close(got, want, 1e-6),
+                "{ranks} ranks (tcp: {tcp}): {metric} {got}, one device {want}"
+            );
+        }
+        // Every item counted once: the counts add up to the 10 items.
+        let counted: usize = valid
+            .updates
+            .iter()
+            .filter(|(name, _, _)| name == "Accuracy")
+            .map(|(_, _, n)| n)
+            .sum();
+        assert_eq!(counted, 10, "{ranks} ranks (tcp: {tcp})");
+        // One item per validation step of the shards, numbered from 1.
+        let steps = valid.iterations.len();
+        assert_eq!(
+            valid.iterations,
+            (1..=steps).map(Some).collect::<Vec<_>>(),
+            "{ranks} ranks (tcp: {tcp})"
+        );
+    }
+}
+
+#[test]
+fn the_renderer_sees_one_item_per_step_with_the_global_batch_metrics() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // 10 steps of a global batch of 16: every run sees the same samples per step.
+    let model = materialized(Counting {
+        inner: Mlp::new(&device()),
+    });
+    let run = Run::new(None, 16, 10 * 16);
+    let (single, _) = seen(&model, 0, false, run.clone(), 0.1);
+    // A train step asks burn_ddp::rank() and world_size() (as a user's metric or callback
+    // would): every rank thread answers its own rank, in both modes.
+    let expected_ranks = |what: &str| {
+        let seen = std::mem::take(&mut *TRAINED_BY.lock().unwrap());
+        for rank in 0..2 {
+            assert_eq!(
+                seen.get(&format!("burn-ddp-rank-{rank}")),
+                Some(&[(rank, 2)].into_iter().collect()),
+                "{what}: rank() / world_size() in rank {rank}'s train steps: {seen:?}"
+            );
+        }
+    };
+    TRAINED_BY.lock().unwrap().clear();
+    let (threads, _) = seen(&model, 2, false, run.clone(), 0.1);
+    expected_ranks("threads");
+    let (processes, _) = seen(&model, 2, true, run, 0.1);
+    expected_ranks("processes");
+    let expected: Vec<Option<usize>> = (1..=10).map(Some).collect();
+    for (name, split) in [("threads", &threads), ("processes", &processes)] {
+        assert_eq!(
+            split.iterations, expected,
+            "{name}: one item per step, 1..=10"
+        );
+        let (got, want) = (split.values("Loss"), single.values("Loss"));
+        assert_eq!(got.len(), 10, "{name}");
+        for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                close(*g, *w, 1e-4),
+                "{name}: step {step}: loss {g}, one device {w}"
+            );
+        }
+        let (got, want) = (split.weighted("Accuracy"), single.weighted("Accuracy"));
+        assert!(
+            close(got, want, 1e-6),
+            "{name}: accuracy {got}, one device {want}"
+        );
+    }
+    // Threads and processes train bit for bit alike, so they report the same numbers.
+    assert_eq!(threads.updates, processes.updates);
+}
