@@ -73,7 +73,9 @@ impl RankReport {
     /// [`step_collectives`](Self::step_collectives) per gradient synchronisation: 1 for a model
     /// whose gradients fit one bucket, without SyncBatchNorm or buffer averaging, in the default
     /// mode (every rank has as many batches: the stop votes ride in the gradient all-reduce), plus
-    /// one barrier per epoch at the end of the data. Join mode adds the per-step agreement.
+    /// one reduction and one all-gather per epoch at the end of the data. Join mode adds the
+    /// per-step agreement; process mode adds two all-gathers of outputs every `metrics_every`
+    /// steps.
     pub fn collectives_per_step(&self) -> f64 {
         self.step_collectives as f64 / self.comm.steps.max(1) as f64
     }

@@ -1,6 +1,6 @@
 //! The training loop of one rank: epochs of steps, each step agreed with the other ranks,
-//! reduced, applied; the end of every epoch (rank 0 validates, writes its checkpoint and waits
-//! until it is on disk, the others wait for it); and the stops (an interrupt, a stop signal, with
+//! reduced, applied; the end of every epoch (every rank validates its shard, rank 0 writes its
+//! checkpoint and waits until it is on disk, the others wait for it); and the stops (an interrupt, a stop signal, with
 //! a checkpoint of the step reached).
 
 use std::path::PathBuf;
@@ -350,7 +350,7 @@ where
                     }
                 }
             }
-            // Everyone waits here while rank 0 validates and writes checkpoints: the barrier
+            // Everyone waits here while rank 0 writes checkpoints: the barrier
             // after the checkpoint. It also carries the stop votes, stop signals and the
             // samples each rank trained on.
             let votes = self.group.all_gather(

@@ -4,9 +4,9 @@
 //! optimizer, LR scheduler) and its own shard of the training set. Each step every replica runs
 //! forward and backward on its batch, the gradients are averaged across replicas by the
 //! [`Reducer`](crate::advanced::Reducer), and every replica applies the same optimizer step, so the replicas
-//! stay bit-identical. Rank 0 alone drives burn-train's events (progress, metrics), runs
-//! validation, writes checkpoints and decides early stopping; the other ranks forward their
-//! training items to it, so the metrics cover the global batch.
+//! stay bit-identical. Rank 0 alone drives burn-train's events (progress, metrics), writes
+//! checkpoints and decides early stopping; the other ranks send it their outputs (training and
+//! their shard of validation), so the metrics cover the global batch and the whole validation set.
 //!
 //! The rooms: this file is what the user builds and how a run is set up; [`worker`] the ranks'
 //! threads, roles and failures; [`epoch`] the training loop; [`policy`] the step decisions
@@ -130,7 +130,8 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// - No launcher variables (`RANK`/`WORLD_SIZE`, Slurm's, Open MPI's; see
     ///   [`Topology::from_env`](crate::advanced::Topology::from_env)): one replica per device of
     ///   `devices`, each a thread of this process, as [`new`](Self::new).
-    /// - Started by `burn-ddp run`, torchrun, `srun` or `mpirun`: one replica in this process, on
+    /// - Started by `burn-ddp run` (or with its torchrun-style variables set otherwise), `srun` or
+    ///   `mpirun`: one replica in this process, on
     ///   `devices[local_rank]`, or on `devices[0]` when it is the only one (a scheduler that
     ///   leaves one GPU visible per task with `CUDA_VISIBLE_DEVICES`) or every entry is the same
     ///   device (a CPU repeated for threads); the [`TcpGroup`] is built
@@ -219,9 +220,10 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     }
 
     /// One replica on `device` in this process, as rank `group.rank()` of a multi-process job
-    /// (one process per device, started by `burn-ddp run`, torchrun, srun or mpirun). Every
+    /// (one process per device, started by `burn-ddp run`, srun or mpirun). Every
     /// process of the job runs the same training with its own strategy; global rank 0 emits
-    /// burn-train's events, validates and writes checkpoints, the other ranks stay silent.
+    /// burn-train's events (joined from every rank's outputs) and writes checkpoints; every rank
+    /// validates its shard of the validation set.
     ///
     /// ```no_run
     /// # use burn::backend::{Autodiff, Flex};

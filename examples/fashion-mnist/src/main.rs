@@ -194,7 +194,7 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
     // Plain Burn on one device (the reference), unless --ddp or a launcher started us.
     let plain = devices.len() == 1 && !args.ddp && burn_ddp::world_size() == 1;
     // The one call: threads without launcher variables, this process's rank (its device, its
-    // connected process group, a restart noticed) under `burn-ddp run`, torchrun, srun, mpirun.
+    // connected process group, a restart noticed) under `burn-ddp run`, srun, mpirun.
     let strategy = if plain {
         None
     } else {
