@@ -347,9 +347,8 @@ pub(crate) fn for_config(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::group::{TcpGroup, TcpGroupOptions, ThreadGroup};
+    use crate::group::ThreadGroup;
     use crate::store::StoreServer;
-    use crate::topology::{Topology, TopologySource};
     use std::sync::Arc;
 
     const T: Duration = Duration::from_secs(30);
@@ -357,19 +356,7 @@ mod tests {
     /// Rank `r`'s buckets: two of gradients around `magnitudes[b]` (mixed signs), the first
     /// followed by 3 bookkeeping words.
     fn buffers(rank: usize, magnitudes: [f32; 2]) -> Vec<Vec<f32>> {
-        let values = |len: usize, m: f32| -> Vec<f32> {
-            (0..len)
-                .map(|i| {
-                    let x = ((i * 37 + rank * 101) % 211) as f32 / 211.0;
-                    let sign = if (i + rank).is_multiple_of(3) {
-                        -1.0
-                    } else {
-                        1.0
-                    };
-                    sign * m * (0.0625 + 0.9375 * x)
-                })
-                .collect()
-        };
+        let values = |len: usize, m: f32| crate::reducer::compress::test_gradients(rank, len, m);
         let mut first = values(300, magnitudes[0]);
         first.extend([1.0, 0.0, (rank + 1) as f32]);
         vec![first, values(257, magnitudes[1])]
@@ -419,31 +406,11 @@ mod tests {
     }
 
     fn tcp(n: usize) -> (StoreServer, Vec<Arc<dyn ProcessGroup>>) {
-        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let port = server.local_addr().port();
-        let groups = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|rank| {
-                    s.spawn(move || {
-                        let topology = Topology {
-                            rank,
-                            world_size: n,
-                            local_rank: rank,
-                            local_world_size: n,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                            agent_store: true,
-                            restart_count: 0,
-                            source: TopologySource::Torchrun,
-                        };
-                        let options = TcpGroupOptions { connect_timeout: T };
-                        Arc::new(TcpGroup::connect(&topology, &options).unwrap())
-                            as Arc<dyn ProcessGroup>
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let (server, groups) = crate::group::loopback_groups(n, T);
+        let groups = groups
+            .into_iter()
+            .map(|g| Arc::new(g) as Arc<dyn ProcessGroup>)
+            .collect();
         (server, groups)
     }
 

@@ -224,6 +224,8 @@ impl<O, B: Backend> Copy for Codec<O, B> {}
 fn cast<O: 'static, T: 'static>(value: O) -> T {
     match (Box::new(value) as Box<dyn Any>).downcast::<T>() {
         Ok(value) => *value,
+        // Impossible: `cast` is only reached through a `Codec` that `codec_of` built after
+        // checking `TypeId::of::<T>() == TypeId::of::<O>()`, so the downcast cannot fail.
         Err(_) => unreachable!("cast between types with different TypeIds"),
     }
 }

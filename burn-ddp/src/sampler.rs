@@ -651,8 +651,10 @@ impl<B: Backend, I, O> Iterator for DistributedIterator<B, I, O> {
                 }
             }
         };
-        // burn-train's `Iterator` has no error channel: the failure unwinds the training thread,
-        // where DdpStrategy reports it as this rank's error.
+        // The one panic kept on purpose: `Iterator::next` (burn-train's loader interface) has no
+        // error channel, so a batch that could not be built unwinds the training thread, where
+        // DdpStrategy catches it and reports `DdpError::WorkerPanicked` for this rank (the same
+        // as a panicking `get` with 0 workers, which Burn's own loaders also propagate).
         Some(built.unwrap_or_else(|message| panic!("{message}")))
     }
 }

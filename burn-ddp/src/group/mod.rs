@@ -32,6 +32,8 @@ mod thread;
 use std::fmt;
 use std::time::Duration;
 
+#[cfg(test)]
+pub(crate) use tcp::loopback_groups;
 pub use tcp::{SOCKET_IFNAME_VAR, TcpGroup, TcpGroupOptions};
 pub use thread::ThreadGroup;
 

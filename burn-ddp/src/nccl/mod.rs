@@ -9,6 +9,8 @@
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod api;
 #[cfg(feature = "cuda")]
+mod driver;
+#[cfg(feature = "cuda")]
 mod group;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod library;

@@ -177,6 +177,23 @@ pub(crate) fn from_wire<B: Backend>(
     }
 }
 
+/// Rank `rank`'s test gradients: `len` values of mixed sign around `magnitude` (from 1/16 to 1
+/// times it), different on every rank. For the crate's unit tests.
+#[cfg(test)]
+pub(crate) fn test_gradients(rank: usize, len: usize, magnitude: f32) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let x = ((i * 37 + rank * 101) % 211) as f32 / 211.0;
+            let sign = if (i + rank).is_multiple_of(3) {
+                -1.0
+            } else {
+                1.0
+            };
+            sign * magnitude * (0.0625 + 0.9375 * x)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,20 +202,7 @@ mod tests {
 
     type B = Flex;
 
-    /// Rank `r`'s gradients: values of mixed sign around `magnitude` (from 1/16 to 1 times it).
-    fn gradients(rank: usize, len: usize, magnitude: f32) -> Vec<f32> {
-        (0..len)
-            .map(|i| {
-                let x = ((i * 37 + rank * 101) % 211) as f32 / 211.0;
-                let sign = if (i + rank).is_multiple_of(3) {
-                    -1.0
-                } else {
-                    1.0
-                };
-                sign * magnitude * (0.0625 + 0.9375 * x)
-            })
-            .collect()
-    }
+    use super::test_gradients as gradients;
 
     /// An all-reduce on the wire: every rank's bucket prepared with the wire the ranks agree on,
     /// summed in the wire dtype one rank after the other (each addition rounded, as a ring

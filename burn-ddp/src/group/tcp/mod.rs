@@ -432,41 +432,56 @@ impl std::fmt::Debug for TcpGroup {
     }
 }
 
+/// `n` ranks of a loopback `TcpGroup` (connected on one thread each) and the store they met
+/// through, served by the test on a port the system picked (no free-port race). For the
+/// crate's unit tests.
+#[cfg(test)]
+pub(crate) fn loopback_groups(
+    n: usize,
+    connect_timeout: Duration,
+) -> (crate::store::StoreServer, Vec<TcpGroup>) {
+    use crate::topology::{Topology, TopologySource};
+    let server = crate::store::StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = server.local_addr().port();
+    let groups = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                s.spawn(move || {
+                    let topology = Topology {
+                        rank,
+                        world_size: n,
+                        local_rank: rank,
+                        local_world_size: n,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        agent_store: true,
+                        restart_count: 0,
+                        source: TopologySource::Torchrun,
+                    };
+                    TcpGroup::connect(&topology, &TcpGroupOptions { connect_timeout }).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    (server, groups)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::group::ThreadGroup;
-    use crate::topology::{Topology, TopologySource};
 
     const T: Duration = Duration::from_secs(20);
 
-    /// Runs `f(group)` for every rank of a loopback TcpGroup, one thread per rank, meeting
-    /// through a store the test serves on a port the system picked.
+    /// Runs `f(group)` for every rank of a loopback TcpGroup, one thread per rank.
     fn run<R: Send>(n: usize, f: impl Fn(TcpGroup) -> R + Sync) -> Vec<R> {
-        let server = crate::store::StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let port = server.local_addr().port();
+        let (_server, groups) = loopback_groups(n, T);
         std::thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|rank| {
-                    let f = &f;
-                    s.spawn(move || {
-                        let topology = Topology {
-                            rank,
-                            world_size: n,
-                            local_rank: rank,
-                            local_world_size: n,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                            agent_store: true,
-                            restart_count: 0,
-                            source: TopologySource::Torchrun,
-                        };
-                        let options = TcpGroupOptions {
-                            connect_timeout: Duration::from_secs(20),
-                        };
-                        f(TcpGroup::connect(&topology, &options).unwrap())
-                    })
-                })
+            let f = &f;
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|group| s.spawn(move || f(group)))
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })

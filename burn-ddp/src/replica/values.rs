@@ -1,0 +1,394 @@
+//! Moving a replica's values: packing its tensors into `f32` words and back, the broadcasts
+//! and averages that keep replicas identical (parameters, frozen weights, buffers), snapshots
+//! of buffers, and value fingerprints with the cross-rank check. The layout these walk (which
+//! tensors, of which kind) is in the parent module.
+
+use std::time::Duration;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use super::*;
+use crate::group::ProcessGroup;
+use crate::{DdpError, Result};
+
+/// How [`Pack`] turns tensors into the `f32` words a collective moves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    /// The tensor's raw bytes in 4-byte words, each tensor padded to a whole word: exact for
+    /// every dtype, for broadcasts (which only copy the words).
+    Bytes,
+    /// The tensor's values converted to `f32`: for all-reduces, which do arithmetic.
+    Values,
+}
+
+/// Which float tensors (registration order) an operation touches: `None`, all of them.
+type Selection<'a> = Option<&'a [bool]>;
+
+fn selected(select: Selection<'_>, index: usize) -> bool {
+    select.is_none_or(|select| select.get(index).copied().unwrap_or(false))
+}
+
+/// Packs the selected float tensors in registration order into `f32` words.
+struct Pack<'a> {
+    words: Vec<f32>,
+    encoding: Encoding,
+    select: Selection<'a>,
+    visited: usize,
+    error: Option<String>,
+}
+
+impl<'a> Pack<'a> {
+    fn new(encoding: Encoding, select: Selection<'a>) -> Self {
+        Self {
+            words: Vec::new(),
+            encoding,
+            select,
+            visited: 0,
+            error: None,
+        }
+    }
+}
+
+impl<B: Backend> ModuleVisitor<B> for Pack<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let index = self.visited;
+        self.visited += 1;
+        if !selected(self.select, index) {
+            return;
+        }
+        let data = param.val().into_data();
+        match self.encoding {
+            Encoding::Bytes => self.words.extend(data.as_bytes().chunks(4).map(|chunk| {
+                let mut word = [0u8; 4];
+                word[..chunk.len()].copy_from_slice(chunk);
+                f32::from_bits(u32::from_le_bytes(word))
+            })),
+            Encoding::Values => {
+                let data = data.convert::<f32>();
+                match data.as_slice::<f32>() {
+                    Ok(values) => self.words.extend_from_slice(values),
+                    Err(e) => {
+                        self.error
+                            .get_or_insert_with(|| format!("tensor {}: {e:?}", param.id));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Replaces the selected float tensors by the next words of `words` (as packed by [`Pack`] with
+/// the same encoding and selection), keeping shape, device, dtype and whether it requires
+/// gradients.
+struct Unpack<'a> {
+    words: &'a [f32],
+    offset: usize,
+    encoding: Encoding,
+    select: Selection<'a>,
+    visited: usize,
+}
+
+impl<'a> Unpack<'a> {
+    fn new(words: &'a [f32], encoding: Encoding, select: Selection<'a>) -> Self {
+        Self {
+            words,
+            offset: 0,
+            encoding,
+            select,
+            visited: 0,
+        }
+    }
+}
+
+impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let index = self.visited;
+        self.visited += 1;
+        if !selected(self.select, index) {
+            return param;
+        }
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let dtype = tensor.dtype();
+        let numel = shape.num_elements();
+        let data = match self.encoding {
+            Encoding::Bytes => {
+                let len = numel * dtype.size();
+                let words = len.div_ceil(4);
+                let mut bytes: Vec<u8> = self.words[self.offset..self.offset + words]
+                    .iter()
+                    .flat_map(|w| w.to_bits().to_le_bytes())
+                    .collect();
+                bytes.truncate(len);
+                self.offset += words;
+                TensorData::from_bytes_vec(bytes, shape, dtype)
+            }
+            Encoding::Values => {
+                let values = self.words[self.offset..self.offset + numel].to_vec();
+                self.offset += numel;
+                TensorData::new(values, shape).convert_dtype(dtype)
+            }
+        };
+        let mut value = Tensor::<B, D>::from_data(data, &tensor.device());
+        if tensor.is_require_grad() {
+            value = value.require_grad();
+        }
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
+
+/// Broadcasts the selected tensors of `module` from `root` and writes them into the other
+/// ranks' modules.
+fn broadcast_tensors<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    root: usize,
+    timeout: Duration,
+    select: Selection<'_>,
+) -> Result<M> {
+    let mut pack = Pack::new(Encoding::Bytes, select);
+    module.visit(&mut pack);
+    let mut words = pack.words;
+    group.broadcast(&mut words, root, timeout)?;
+    if group.rank() == root {
+        return Ok(module);
+    }
+    let mut unpack = Unpack::new(&words, Encoding::Bytes, select);
+    Ok(module.map(&mut unpack))
+}
+
+/// Replaces every rank's buffers (state the forward pass updates, e.g. BatchNorm's running
+/// statistics; not frozen weights) that differ between ranks by their average over the ranks;
+/// every rank must call it. For BatchNorm's running statistics this is the average of the
+/// replicas' statistics, which is what Burn's `RunningState` computes for replicas that are
+/// threads sharing one module. Buffers already identical on every rank are left alone: averaging
+/// N equal values can change their last bit. Costs one all-gather of one `u64` per buffer, and
+/// one all-reduce of the differing buffers as `f32`. Flush `RunningState`'s pending updates first
+/// (`AutodiffModule::valid` does).
+///
+/// # Errors
+/// The collectives' errors; [`DdpError::Bucket`] when a buffer cannot be read as `f32`.
+pub fn average_buffers<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    timeout: Duration,
+) -> Result<M> {
+    let buffers = ReplicaLayout::of(&module).buffer_mask();
+    average_selected(module, group, timeout, &buffers)
+}
+
+/// `average_buffers` of the tensors `select` marks (registration order).
+pub(crate) fn average_selected<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    timeout: Duration,
+    select: &[bool],
+) -> Result<M> {
+    if !select.contains(&true) {
+        // Every rank has the same layout, so every rank skips the collectives together.
+        return Ok(module);
+    }
+    let mut hashes = Fingerprints {
+        hashes: Vec::new(),
+        select: Some(select),
+        visited: 0,
+    };
+    module.visit(&mut hashes);
+    let count = hashes.hashes.len();
+    let all = group.all_gather(&hashes.hashes, timeout)?;
+    let differs: Vec<bool> = (0..count)
+        .map(|i| all.chunks(count).any(|rank| rank[i] != all[i]))
+        .collect();
+    if !differs.contains(&true) {
+        return Ok(module);
+    }
+    // The selection among all tensors: selected and differing.
+    let mut differing = differs.into_iter();
+    let chosen: Vec<bool> = select
+        .iter()
+        .map(|&s| s && differing.next().unwrap_or(false))
+        .collect();
+    let mut pack = Pack::new(Encoding::Values, Some(&chosen));
+    module.visit(&mut pack);
+    if let Some(detail) = pack.error {
+        group.abort(&detail);
+        return Err(DdpError::Bucket {
+            rank: group.rank(),
+            bucket: 0,
+            detail: format!("cannot read a buffer as f32 to average it: {detail}"),
+        });
+    }
+    let mut words = pack.words;
+    group.all_reduce(&mut words, crate::group::ReduceOp::Avg, timeout)?;
+    let mut unpack = Unpack::new(&words, Encoding::Values, Some(&chosen));
+    Ok(module.map(&mut unpack))
+}
+
+/// Copies `root`'s parameters and buffers into every rank's `module`, bit-exact whatever their
+/// dtype (one broadcast of the tensors' bytes, as 4-byte words); every rank must call it. Returns
+/// the module with the root's values; on the root it is returned unchanged.
+///
+/// Call [`ReplicaLayout::verify_across`] first: the broadcast relies on every rank having the same
+/// layout.
+///
+/// # Errors
+/// The broadcast's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], [`DdpError::Mismatch`]
+/// when the ranks' tensors differ in size, ...).
+pub fn broadcast_module<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    root: usize,
+    timeout: Duration,
+) -> Result<M> {
+    broadcast_tensors(module, group, root, timeout, None)
+}
+
+/// Copies `root`'s buffers (state the forward pass updates, e.g. BatchNorm running statistics)
+/// into every rank's `module`; parameters and frozen weights are left alone. Every rank must call
+/// it. This is PyTorch DDP's `broadcast_buffers`.
+///
+/// # Errors
+/// As [`broadcast_module`].
+pub fn broadcast_buffers<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    root: usize,
+    timeout: Duration,
+) -> Result<M> {
+    let buffers = ReplicaLayout::of(&module).buffer_mask();
+    broadcast_selected(module, group, root, timeout, &buffers)
+}
+
+/// [`broadcast_buffers`] of the tensors `select` marks (registration order).
+pub(crate) fn broadcast_selected<B: Backend, M: Module<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    root: usize,
+    timeout: Duration,
+    select: &[bool],
+) -> Result<M> {
+    if !select.contains(&true) {
+        return Ok(module);
+    }
+    broadcast_tensors(module, group, root, timeout, Some(select))
+}
+
+/// The tensors of `module` that `select` marks (registration order), as raw words: what
+/// [`restore_selected`] puts back. Flush `RunningState`'s pending updates first if they must
+/// count (`AutodiffModule::valid` does).
+pub(crate) fn snapshot_selected<B: Backend, M: Module<B>>(module: &M, select: &[bool]) -> Vec<f32> {
+    let mut pack = Pack::new(Encoding::Bytes, Some(select));
+    module.visit(&mut pack);
+    pack.words
+}
+
+/// Writes a [`snapshot_selected`] snapshot back into `module`.
+pub(crate) fn restore_selected<B: Backend, M: Module<B>>(
+    module: M,
+    snapshot: &[f32],
+    select: &[bool],
+) -> M {
+    let mut unpack = Unpack::new(snapshot, Encoding::Bytes, Some(select));
+    module.map(&mut unpack)
+}
+
+/// One 64-bit FNV-1a hash per float tensor of `module` (parameters and buffers, registration
+/// order) over the bits of its values. Two replicas hold bit-identical values exactly when the
+/// hashes agree (up to hash collisions).
+pub fn tensor_fingerprints<B: Backend, M: Module<B>>(module: &M) -> Vec<u64> {
+    let mut hasher = Fingerprints {
+        hashes: Vec::new(),
+        select: None,
+        visited: 0,
+    };
+    module.visit(&mut hasher);
+    hasher.hashes
+}
+
+/// One hash of all float tensors of `module`: the fingerprints of [`tensor_fingerprints`] combined.
+pub fn value_fingerprint<B: Backend, M: Module<B>>(module: &M) -> u64 {
+    fnv(tensor_fingerprints(module).into_iter())
+}
+
+/// Checks that every rank's `module` holds bit-identical parameters and buffers; every rank must
+/// call it. Costs one all-gather of one `u64` when they agree, and one more (one `u64` per
+/// tensor) to name the first difference when they do not. `step` only labels the error.
+///
+/// # Errors
+/// [`DdpError::ReplicasDiverged`] on every rank, naming the first tensor (registration order) that
+/// differs and the ranks whose values differ from rank 0's; the collectives' errors.
+pub fn verify_values_across<B: Backend, M: Module<B>>(
+    module: &M,
+    group: &dyn ProcessGroup,
+    step: u64,
+    timeout: Duration,
+) -> Result<()> {
+    let hashes = tensor_fingerprints(module);
+    let combined = fnv(hashes.iter().copied());
+    let all = group.all_gather(&[combined], timeout)?;
+    if all.iter().all(|&h| h == all[0]) {
+        return Ok(());
+    }
+    let per_rank = group.all_gather(&hashes, timeout)?;
+    let count = hashes.len().max(1);
+    let ranks: Vec<&[u64]> = per_rank.chunks(count).collect();
+    let layout = ReplicaLayout::scan(module);
+    let (index, diverged) = (0..hashes.len())
+        .find_map(|i| {
+            let differing: Vec<usize> = (1..ranks.len())
+                .filter(|&r| ranks[r][i] != ranks[0][i])
+                .collect();
+            (!differing.is_empty()).then_some((i, differing))
+        })
+        .unwrap_or((0, (1..ranks.len()).collect()));
+    let tensor = layout
+        .tensors()
+        .get(index)
+        .map(|t| format!("#{index} `{}` ({} of shape {:?})", t.path, t.kind, t.shape))
+        .unwrap_or_else(|| format!("#{index}"));
+    Err(DdpError::ReplicasDiverged {
+        rank: group.rank(),
+        step,
+        tensor,
+        ranks: diverged,
+    })
+}
+
+pub(crate) fn fnv(words: impl Iterator<Item = u64>) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for word in words {
+        for byte in word.to_le_bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+struct Fingerprints<'a> {
+    hashes: Vec<u64>,
+    select: Selection<'a>,
+    visited: usize,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Fingerprints<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let index = self.visited;
+        self.visited += 1;
+        if !selected(self.select, index) {
+            return;
+        }
+        let data = param.val().into_data();
+        // Hash the raw bytes: exact for every dtype.
+        let bytes = data.as_bytes();
+        let words = bytes.chunks(8).map(|c| {
+            let mut word = [0u8; 8];
+            word[..c.len()].copy_from_slice(c);
+            u64::from_le_bytes(word)
+        });
+        self.hashes
+            .push(fnv(words.chain(std::iter::once(bytes.len() as u64))));
+    }
+}
