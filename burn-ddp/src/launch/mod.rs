@@ -402,10 +402,23 @@ mod tests {
         // Node 0's store on a port the system picked, known before node 1 starts.
         let server = StoreServer::bind("0.0.0.0:0".parse().unwrap()).unwrap();
         let port = server.local_addr().port();
-        let script = "if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 4; fi; \
-                      if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ]; then sleep 60; fi; exit 0";
-        let node = move |node_rank: usize| {
-            let mut config = sh(script, 1);
+        // Node 1's worker fails only once node 0's worker runs round 0 (a marker file, waited
+        // for at most 30 s): on a loaded machine node 0's launcher could otherwise start after
+        // the failure and join round 1 directly, which is right but not what this test checks.
+        let dir = tempfile_dir();
+        std::fs::create_dir_all(&dir).unwrap();
+        let ready = dir.join("node0-round0");
+        let script = format!(
+            "if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 0 ]; then \
+               touch '{ready}'; sleep 60; fi; \
+             if [ \"$BURN_DDP_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then \
+               i=0; while [ ! -f '{ready}' ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; \
+               exit 4; fi; \
+             exit 0",
+            ready = ready.display()
+        );
+        let node = |node_rank: usize| {
+            let mut config = sh(&script, 1);
             config.nnodes = 2;
             config.node_rank = node_rank;
             config.master_port = port;
@@ -413,8 +426,9 @@ mod tests {
             config
         };
         let started = Instant::now();
-        let node0 = std::thread::spawn(move || launch_with_store(&node(0), server));
-        let node1 = launch(&node(1)).unwrap();
+        let (config0, config1) = (node(0), node(1));
+        let node0 = std::thread::spawn(move || launch_with_store(&config0, server));
+        let node1 = launch(&config1).unwrap();
         let node0 = node0.join().unwrap().unwrap();
         assert!(
             started.elapsed() < Duration::from_secs(30),
@@ -433,6 +447,7 @@ mod tests {
             "node 0 followed node 1 into round 1"
         );
         assert!(node0[1].workers.iter().all(|(_, _, exit)| exit.success()));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
