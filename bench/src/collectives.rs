@@ -26,14 +26,30 @@ pub enum GroupKind {
     /// TCP over loopback (ranks as threads here, so the figure is the protocol's, without
     /// process start-up).
     Tcp,
+    /// `MpiGroup`: the processes of `mpirun` (Open MPI, shared memory between them), feature
+    /// `mpi`.
+    Mpi,
+    /// PyTorch's gloo all-reduce on processes over loopback (`python3` with torch), the peer a
+    /// user would otherwise pick for CPU training.
+    Gloo,
 }
 
 impl GroupKind {
+    /// Every group, in table order.
+    pub const ALL: [GroupKind; 4] = [
+        GroupKind::Threads,
+        GroupKind::Tcp,
+        GroupKind::Mpi,
+        GroupKind::Gloo,
+    ];
+
     /// Name in tables.
     pub fn name(self) -> &'static str {
         match self {
             GroupKind::Threads => "ThreadGroup",
             GroupKind::Tcp => "TcpGroup (loopback)",
+            GroupKind::Mpi => "MpiGroup (mpirun)",
+            GroupKind::Gloo => "PyTorch gloo",
         }
     }
 }
@@ -106,6 +122,8 @@ pub fn with_group<R: Send>(
                     .collect()
             })
             .unwrap_or_default(),
+        // Other processes' groups: see `external_sweep`.
+        GroupKind::Mpi | GroupKind::Gloo => Vec::new(),
         GroupKind::Tcp => {
             let port = std::net::TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.local_addr())
@@ -157,22 +175,38 @@ pub fn all_reduce_sweep(
     sizes: &[usize],
     budget: Duration,
 ) -> Vec<AllReducePoint> {
-    let timeout = Duration::from_secs(600);
     let per_rank: Vec<Vec<f64>> = with_group(kind, world_size, |group| {
-        sizes
-            .iter()
-            .map(|&bytes| {
-                let mut buffer = vec![1.0f32; bytes / 4];
-                // Start together: otherwise the first all-reduce times the other rank's start.
-                let _ = group.barrier(timeout);
-                time_together(group.as_ref(), budget, || {
-                    let started = Instant::now();
-                    let _ = group.all_reduce(&mut buffer, ReduceOp::Avg, timeout);
-                    started.elapsed()
-                })
-            })
-            .collect()
+        sweep_rank(group.as_ref(), sizes, budget)
     });
+    points(kind, world_size, sizes, &per_rank)
+}
+
+/// One rank's part of an all-reduce sweep: the median seconds of an all-reduce (average) of
+/// each size, every rank timing the same number of calls.
+pub fn sweep_rank(group: &dyn ProcessGroup, sizes: &[usize], budget: Duration) -> Vec<f64> {
+    let timeout = Duration::from_secs(600);
+    sizes
+        .iter()
+        .map(|&bytes| {
+            let mut buffer = vec![1.0f32; bytes / 4];
+            // Start together: otherwise the first all-reduce times the other rank's start.
+            let _ = group.barrier(timeout);
+            time_together(group, budget, || {
+                let started = Instant::now();
+                let _ = group.all_reduce(&mut buffer, ReduceOp::Avg, timeout);
+                started.elapsed()
+            })
+        })
+        .collect()
+}
+
+/// The sweep of every rank (seconds per size) as points: the slowest rank's time.
+fn points(
+    kind: GroupKind,
+    world_size: usize,
+    sizes: &[usize],
+    per_rank: &[Vec<f64>],
+) -> Vec<AllReducePoint> {
     sizes
         .iter()
         .enumerate()
@@ -189,6 +223,59 @@ pub fn all_reduce_sweep(
             }
         })
         .collect()
+}
+
+/// The sweep of a group whose ranks are other processes: `command` prints JSON, either
+/// `{"seconds": [...]}` (one median per size, the slowest rank's) or `{"skipped": "why"}`.
+/// `Err` says why there are no points.
+pub fn external_sweep(
+    kind: GroupKind,
+    world_size: usize,
+    sizes: &[usize],
+    mut command: std::process::Command,
+) -> Result<Vec<AllReducePoint>, String> {
+    #[derive(Deserialize)]
+    struct Answer {
+        #[serde(default)]
+        seconds: Vec<f64>,
+        #[serde(default)]
+        skipped: Option<String>,
+    }
+    let output = command
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| {
+            format!(
+                "{}: cannot start {:?}: {e}",
+                kind.name(),
+                command.get_program()
+            )
+        })?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let answer: Answer = stdout
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .ok_or_else(|| {
+            format!(
+                "{}: no result ({}): {}",
+                kind.name(),
+                output.status,
+                stdout.trim()
+            )
+        })?;
+    if let Some(why) = answer.skipped {
+        return Err(format!("{}: skipped: {why}", kind.name()));
+    }
+    if answer.seconds.len() != sizes.len() {
+        return Err(format!(
+            "{}: {} results for {} sizes",
+            kind.name(),
+            answer.seconds.len(),
+            sizes.len()
+        ));
+    }
+    Ok(points(kind, world_size, sizes, &[answer.seconds]))
 }
 
 /// memcpy of `sizes` bytes (one thread): the roof the all-reduce is compared to.

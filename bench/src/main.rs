@@ -5,7 +5,9 @@
 //!   parameters) at the same global batch: plain Burn on one device, Burn's `MultiDevice`,
 //!   burn-ddp with threads (world size 1 and 2, and 4 with `--long`) and with processes over
 //!   `TcpGroup` (2); samples/s is the median of timed windows after a warm-up;
-//! - all-reduce of 4 KiB to 256 MiB on `ThreadGroup` and `TcpGroup`, against memcpy;
+//! - all-reduce of 4 KiB to 256 MiB on `ThreadGroup` and `TcpGroup`, `MpiGroup` under `mpirun`
+//!   (feature `mpi`: `cargo xtask bench --features mpi`) and PyTorch's gloo on 2 processes
+//!   (`python3` with torch; skipped with a note otherwise), against memcpy;
 //! - bucket caps (one all-reduce per parameter, 1, 4, 25, 100 MiB);
 //! - a projection of scaling efficiency at 2, 4 and 8 GPUs for named links.
 //!
@@ -55,9 +57,9 @@ struct Cli {
     /// with 56% of its parameters frozen).
     #[arg(long, value_delimiter = ',', value_parser = parse_model)]
     models: Vec<ModelKind>,
-    /// Strategies, comma-separated: `single`, `multi-device-N`, `threads-N`, `processes-N`
-    /// (default: single, multi-device-2, threads-1, threads-2, processes-2, and threads-4 with
-    /// `--long`).
+    /// Strategies, comma-separated: `single`, `multi-device-N`, `threads-N`, `processes-N`,
+    /// `mpi-N` (default: single, multi-device-2, threads-1, threads-2, processes-2, mpi-2 when
+    /// built with the `mpi` feature, and threads-4 with `--long`).
     #[arg(long, value_delimiter = ',', value_parser = parse_strategy)]
     strategies: Vec<Strategy>,
     /// Repeat the throughput runs this many times, interleaved (A B A B ...), and report the
@@ -83,8 +85,9 @@ fn parse_strategy(s: &str) -> Result<Strategy, String> {
         "multi-device" => Ok(Strategy::BurnMultiDevice(n)),
         "threads" => Ok(Strategy::DdpThreads(n)),
         "processes" => Ok(Strategy::DdpProcesses(n)),
+        "mpi" => Ok(Strategy::DdpMpi(n)),
         _ => Err(format!(
-            "unknown strategy `{s}` (single, multi-device-N, threads-N, processes-N)"
+            "unknown strategy `{s}` (single, multi-device-N, threads-N, processes-N, mpi-N)"
         )),
     }
 }
@@ -105,21 +108,47 @@ enum Command {
         windows: usize,
         #[arg(long)]
         out: PathBuf,
+        /// Join the job through MPI (`MpiGroup`, under `mpirun`) instead of the launcher's TCP
+        /// store.
+        #[arg(long)]
+        mpi: bool,
+    },
+    /// (Internal) one rank of the MpiGroup all-reduce sweep, started by `mpirun`; rank 0 prints
+    /// `{"seconds": [...]}`.
+    MpiSweep {
+        /// Sizes in bytes, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        sizes: Vec<usize>,
+        /// Time budget per size, milliseconds.
+        #[arg(long)]
+        budget_ms: u64,
     },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Some(Command::Worker {
-        model,
-        global_batch,
-        warmup,
-        window,
-        windows,
-        out,
-    }) = cli.command
-    {
-        return worker(&model, global_batch, warmup, window, windows, &out);
+    match cli.command {
+        Some(Command::Worker {
+            model,
+            global_batch,
+            warmup,
+            window,
+            windows,
+            out,
+            mpi,
+        }) => {
+            let plan = Plan {
+                global_batch,
+                warmup_steps: warmup,
+                window_steps: window,
+                windows,
+            };
+            return worker(&model, &plan, &out, mpi);
+        }
+        Some(Command::MpiSweep { sizes, budget_ms }) => {
+            return mpi_sweep(&sizes, Duration::from_millis(budget_ms));
+        }
+        None => {}
     }
     let results = bench(&cli);
     println!("{}", results.markdown());
@@ -138,20 +167,29 @@ fn main() -> ExitCode {
     }
 }
 
-fn worker(
-    model: &str,
-    global_batch: usize,
-    warmup: usize,
-    window: usize,
-    windows: usize,
-    out: &PathBuf,
-) -> ExitCode {
+/// This process's group in a multi-process run: `MpiGroup` under `mpirun` (`mpi`), else the
+/// launcher's `TcpGroup`.
+fn join(mpi: bool) -> Result<Arc<dyn ProcessGroup>, String> {
+    if mpi {
+        #[cfg(feature = "mpi")]
+        return burn_ddp::MpiGroup::world()
+            .map(|g| Arc::new(g) as Arc<dyn ProcessGroup>)
+            .map_err(|e| e.to_string());
+        #[cfg(not(feature = "mpi"))]
+        return Err("built without the `mpi` feature".into());
+    }
+    TcpGroup::from_env(&TcpGroupOptions::default())
+        .map(|g| Arc::new(g) as Arc<dyn ProcessGroup>)
+        .map_err(|e| e.to_string())
+}
+
+fn worker(model: &str, plan: &Plan, out: &PathBuf, mpi: bool) -> ExitCode {
     let Some(kind) = ModelKind::parse(model) else {
         eprintln!("ddp-bench worker: unknown model {model}");
         return ExitCode::FAILURE;
     };
-    let group: Arc<dyn ProcessGroup> = match TcpGroup::from_env(&TcpGroupOptions::default()) {
-        Ok(group) => Arc::new(group),
+    let group = match join(mpi) {
+        Ok(group) => group,
         Err(e) => {
             eprintln!("ddp-bench worker: {e}");
             return ExitCode::FAILURE;
@@ -159,13 +197,12 @@ fn worker(
     };
     let rank = group.rank();
     let n = group.world_size();
-    let plan = Plan {
-        global_batch,
-        warmup_steps: warmup,
-        window_steps: window,
-        windows,
+    let strategy = if mpi {
+        Strategy::DdpMpi(n)
+    } else {
+        Strategy::DdpProcesses(n)
     };
-    let result = training::run(kind, Strategy::DdpProcesses(n), &plan, Some(group));
+    let result = training::run(kind, strategy, plan, Some(group));
     if rank == 0 {
         let json = serde_json::to_string(&result).unwrap_or_default();
         if let Err(e) = std::fs::write(out, json) {
@@ -174,6 +211,88 @@ fn worker(
         }
     }
     ExitCode::SUCCESS
+}
+
+/// `ddp-bench mpi-sweep`: this rank's part of the MpiGroup sweep; rank 0 prints the result.
+fn mpi_sweep(sizes: &[usize], budget: Duration) -> ExitCode {
+    let group = match join(true) {
+        Ok(group) => group,
+        Err(e) => {
+            println!("{}", serde_json::json!({ "skipped": e }));
+            return ExitCode::SUCCESS;
+        }
+    };
+    let seconds = collectives::sweep_rank(group.as_ref(), sizes, budget);
+    // Every rank's medians to rank 0: the slowest rank's time counts, as in the other sweeps.
+    let bits: Vec<u64> = seconds.iter().map(|s| s.to_bits()).collect();
+    let all = group
+        .all_gather(&bits, Duration::from_secs(600))
+        .unwrap_or(bits);
+    if group.rank() == 0 {
+        let slowest: Vec<f64> = (0..sizes.len())
+            .map(|i| {
+                all.chunks_exact(sizes.len())
+                    .map(|rank| f64::from_bits(rank[i]))
+                    .fold(0.0, f64::max)
+            })
+            .collect();
+        println!("{}", serde_json::json!({ "seconds": slowest }));
+    }
+    ExitCode::SUCCESS
+}
+
+/// `mpirun` as the benchmark starts it: `n` ranks on this machine, as root if need be.
+fn mpirun(n: usize) -> std::process::Command {
+    let mut command = std::process::Command::new("mpirun");
+    command.args([
+        "--oversubscribe",
+        "--allow-run-as-root",
+        "-np",
+        &n.to_string(),
+    ]);
+    command
+}
+
+/// The multi-process run over MPI: this binary started `n` times by `mpirun`.
+fn mpi_processes(kind: ModelKind, n: usize, plan: &Plan) -> Throughput {
+    let out = std::env::temp_dir().join(format!(
+        "ddp-bench-mpi-{}-{}.json",
+        std::process::id(),
+        kind.arg()
+    ));
+    let failed = |note: String| Throughput {
+        model: kind,
+        strategy: Strategy::DdpMpi(n),
+        windows: Vec::new(),
+        samples_per_second: 0.0,
+        round_medians: Vec::new(),
+        split: None,
+        note: Some(note),
+    };
+    let program = match std::env::current_exe() {
+        Ok(program) => program,
+        Err(e) => return failed(format!("cannot find this program: {e}")),
+    };
+    let status = mpirun(n)
+        .arg(program)
+        .args(["worker", "--mpi", "--model", kind.arg()])
+        .args(["--global-batch", &plan.global_batch.to_string()])
+        .args(["--warmup", &plan.warmup_steps.to_string()])
+        .args(["--window", &plan.window_steps.to_string()])
+        .args(["--windows", &plan.windows.to_string()])
+        .arg("--out")
+        .arg(&out)
+        .status();
+    match status {
+        Ok(status) if status.success() => {}
+        Ok(status) => return failed(format!("mpirun: {status}")),
+        Err(e) => return failed(format!("cannot start mpirun: {e}")),
+    }
+    let result = std::fs::read_to_string(&out)
+        .map_err(|e| e.to_string())
+        .and_then(|json| serde_json::from_str(&json).map_err(|e| e.to_string()));
+    let _ = std::fs::remove_file(&out);
+    result.unwrap_or_else(|e| failed(format!("no result from rank 0: {e}")))
 }
 
 /// The multi-process run: this binary started `n` times by burn-ddp's launcher.
@@ -303,6 +422,9 @@ fn bench(cli: &Cli) -> Results {
             Strategy::DdpThreads(2),
             Strategy::DdpProcesses(2),
         ];
+        if cfg!(feature = "mpi") {
+            strategies.push(Strategy::DdpMpi(2));
+        }
         if cli.long {
             strategies.push(Strategy::DdpThreads(4));
         }
@@ -326,6 +448,7 @@ fn bench(cli: &Cli) -> Results {
                     );
                     let result = match strategy {
                         Strategy::DdpProcesses(n) => processes(kind, n, &plan),
+                        Strategy::DdpMpi(n) => mpi_processes(kind, n, &plan),
                         _ => training::run(kind, strategy, &plan, None),
                     };
                     eprintln!("  {:.1} samples/s", result.samples_per_second);
@@ -355,6 +478,43 @@ fn bench(cli: &Cli) -> Results {
             results
                 .all_reduce
                 .extend(collectives::all_reduce_sweep(group, 2, &sizes, budget));
+        }
+        let sizes_arg = sizes
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let budget_arg = budget.as_millis().to_string();
+        let mpi = if cfg!(feature = "mpi") {
+            eprintln!("all-reduce sweep: {}", GroupKind::Mpi.name());
+            let mut command = mpirun(2);
+            command
+                .arg(std::env::current_exe().unwrap_or_else(|_| "ddp-bench".into()))
+                .args([
+                    "mpi-sweep",
+                    "--sizes",
+                    &sizes_arg,
+                    "--budget-ms",
+                    &budget_arg,
+                ]);
+            collectives::external_sweep(GroupKind::Mpi, 2, &sizes, command)
+        } else {
+            Err(format!(
+                "{}: not built (`cargo xtask bench --features mpi`)",
+                GroupKind::Mpi.name()
+            ))
+        };
+        eprintln!("all-reduce sweep: {}", GroupKind::Gloo.name());
+        let mut command = std::process::Command::new("python3");
+        command
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/gloo_allreduce.py"))
+            .args(["--sizes", &sizes_arg, "--budget-ms", &budget_arg]);
+        let gloo = collectives::external_sweep(GroupKind::Gloo, 2, &sizes, command);
+        for sweep in [mpi, gloo] {
+            match sweep {
+                Ok(points) => results.all_reduce.extend(points),
+                Err(note) => results.notes.push(note),
+            }
         }
         // The roof is the better of two sweeps, before and after the all-reduces: the machine's
         // drift then lowers the ratios rather than raising them.

@@ -87,6 +87,9 @@ pub struct Results {
     /// Loader prefetch: the same training with a costly batcher and 0 or more loader workers.
     #[serde(default)]
     pub prefetch: Vec<crate::training::PrefetchRun>,
+    /// Why a measurement is missing (a peer not installed, a feature not built).
+    #[serde(default)]
+    pub notes: Vec<String>,
 }
 
 fn mib(bytes: usize) -> String {
@@ -231,17 +234,18 @@ impl Results {
             md,
             "busbw = algbw * 2(n-1)/n (nccl-tests); the roof is one thread's memcpy bandwidth (bytes copied per second), the better of two sweeps run before and after the all-reduces.\n"
         );
-        let _ = writeln!(
-            md,
-            "| size | memcpy GB/s | ThreadGroup time | busbw GB/s | % of memcpy | TcpGroup time | busbw GB/s |"
-        );
-        let _ = writeln!(md, "| --- | --- | --- | --- | --- | --- | --- |");
+        let groups: Vec<GroupKind> = GroupKind::ALL
+            .into_iter()
+            .filter(|g| self.all_reduce.iter().any(|p| p.group == *g))
+            .collect();
+        let mut header = "| size | memcpy GB/s |".to_string();
+        let mut rule = "| --- | --- |".to_string();
+        for g in &groups {
+            header.push_str(&format!(" {} time | busbw GB/s |", g.name()));
+            rule.push_str(" --- | --- |");
+        }
+        let _ = writeln!(md, "{header}\n{rule}");
         for m in &self.memcpy {
-            let point = |g: GroupKind| {
-                self.all_reduce
-                    .iter()
-                    .find(|p| p.group == g && p.bytes == m.bytes)
-            };
             let fmt_time = |s: f64| {
                 if s < 1e-3 {
                     format!("{:.1} µs", s * 1e6)
@@ -249,22 +253,26 @@ impl Results {
                     format!("{:.2} ms", s * 1e3)
                 }
             };
-            let threads = point(GroupKind::Threads);
-            let tcp = point(GroupKind::Tcp);
-            let _ = writeln!(
-                md,
-                "| {} | {:.2} | {} | {} | {} | {} | {} |",
-                mib(m.bytes),
-                m.gbps,
-                threads.map_or("-".into(), |p| fmt_time(p.seconds)),
-                threads.map_or("-".into(), |p| format!("{:.2}", p.busbw_gbps)),
-                threads.map_or("-".into(), |p| format!(
-                    "{:.0}%",
-                    p.busbw_gbps / m.gbps * 100.0
-                )),
-                tcp.map_or("-".into(), |p| fmt_time(p.seconds)),
-                tcp.map_or("-".into(), |p| format!("{:.2}", p.busbw_gbps)),
-            );
+            let mut row = format!("| {} | {:.2} |", mib(m.bytes), m.gbps);
+            for g in &groups {
+                match self
+                    .all_reduce
+                    .iter()
+                    .find(|p| p.group == *g && p.bytes == m.bytes)
+                {
+                    Some(p) => row.push_str(&format!(
+                        " {} | {:.2} ({:.0}% of memcpy) |",
+                        fmt_time(p.seconds),
+                        p.busbw_gbps,
+                        p.busbw_gbps / m.gbps * 100.0
+                    )),
+                    None => row.push_str(" - | - |"),
+                }
+            }
+            let _ = writeln!(md, "{row}");
+        }
+        for note in &self.notes {
+            let _ = writeln!(md, "\n- {note}");
         }
 
         let _ = writeln!(
@@ -473,6 +481,7 @@ impl Results {
                     t.model.name(),
                     match t.strategy {
                         Strategy::DdpProcesses(_) => "proc",
+                        Strategy::DdpMpi(_) => "mpi",
                         _ => "thr",
                     },
                     t.strategy.world_size()
@@ -579,15 +588,16 @@ impl Results {
                 .map(|m| (m.bytes as f64, m.gbps))
                 .collect(),
         )];
-        for group in [GroupKind::Threads, GroupKind::Tcp] {
-            series.push((
-                format!("{} busbw", group.name()),
-                self.all_reduce
-                    .iter()
-                    .filter(|p| p.group == group)
-                    .map(|p| (p.bytes as f64, p.busbw_gbps))
-                    .collect(),
-            ));
+        for group in GroupKind::ALL {
+            let points: Vec<(f64, f64)> = self
+                .all_reduce
+                .iter()
+                .filter(|p| p.group == group)
+                .map(|p| (p.bytes as f64, p.busbw_gbps))
+                .collect();
+            if !points.is_empty() {
+                series.push((format!("{} busbw", group.name()), points));
+            }
         }
         for (i, (name, points)) in series.into_iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();

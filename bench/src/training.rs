@@ -40,6 +40,8 @@ pub enum Strategy {
     DdpThreads(usize),
     /// burn-ddp, replicas as processes over `TcpGroup`.
     DdpProcesses(usize),
+    /// burn-ddp, replicas as the processes of `mpirun` over `MpiGroup` (feature `mpi`).
+    DdpMpi(usize),
 }
 
 impl Strategy {
@@ -47,7 +49,10 @@ impl Strategy {
     pub fn world_size(self) -> usize {
         match self {
             Strategy::Single => 1,
-            Strategy::BurnMultiDevice(n) | Strategy::DdpThreads(n) | Strategy::DdpProcesses(n) => n,
+            Strategy::BurnMultiDevice(n)
+            | Strategy::DdpThreads(n)
+            | Strategy::DdpProcesses(n)
+            | Strategy::DdpMpi(n) => n,
         }
     }
 
@@ -58,6 +63,7 @@ impl Strategy {
             Strategy::BurnMultiDevice(_) => "Burn MultiDevice",
             Strategy::DdpThreads(_) => "burn-ddp threads",
             Strategy::DdpProcesses(_) => "burn-ddp processes (TCP)",
+            Strategy::DdpMpi(_) => "burn-ddp processes (MPI)",
         }
     }
 }
@@ -350,9 +356,13 @@ where
                 )
                 .launch(learner);
         }
-        Strategy::DdpThreads(_) | Strategy::DdpProcesses(_) => {
+        Strategy::DdpThreads(_) | Strategy::DdpProcesses(_) | Strategy::DdpMpi(_) => {
             let ddp = match group {
-                Some(group) => DdpStrategy::with_process_group(device, group),
+                // The windows are timed by rank 0's renderer: in process mode it must hear of
+                // every step as it ends, not of 20 at once (the default metrics interval). That
+                // costs two small all-gathers per step, counted in the figures.
+                Some(group) => DdpStrategy::with_process_group(device, group)
+                    .with_config(burn_ddp::DdpConfig::default().with_metrics_every(1)),
                 None => DdpStrategy::new(vec![device; n]),
             };
             let handle = ddp.clone();

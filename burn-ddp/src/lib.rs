@@ -54,6 +54,8 @@ pub use config::DdpConfig;
 pub use context::{is_main_process, rank, world_size};
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
+#[cfg(feature = "mpi")]
+pub use group::MpiGroup;
 pub use group::{ProcessGroup, TcpGroup, ThreadGroup};
 pub use sampler::{DistributedDataLoader, DistributedSampler};
 pub use signals::PREEMPTED_EXIT_CODE;

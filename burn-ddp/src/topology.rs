@@ -60,7 +60,9 @@ pub struct Topology {
     pub local_rank: usize,
     /// Number of processes on this machine.
     pub local_world_size: usize,
-    /// Host name or IP address of the rendezvous store.
+    /// Host name or IP address of the rendezvous store. Empty under an MPI launcher (with the
+    /// `mpi` feature) when `MASTER_ADDR` is unset: the `MpiGroup` needs no store, and
+    /// [`TcpGroup::connect`](crate::TcpGroup::connect) refuses it.
     pub master_addr: String,
     /// Port of the rendezvous store.
     pub master_port: u16,
@@ -213,12 +215,25 @@ impl Topology {
             )));
         }
 
+        // Under an MPI launcher with the `mpi` feature the job meets through MPI (MpiGroup).
+        let mpi_launcher = cfg!(feature = "mpi")
+            && source != TopologySource::Torchrun
+            && (vars.has("OMPI_COMM_WORLD_SIZE") || vars.has("PMIX_RANK") || vars.has("PMI_RANK"));
         let master_addr = match (vars.get("MASTER_ADDR"), source) {
             (Some(addr), _) if !addr.is_empty() => addr,
+            _ if mpi_launcher => String::new(),
             (_, TopologySource::Slurm) => {
                 return Err(topology_error(
                     "MASTER_ADDR is not set: under Slurm set it to the job's first node, e.g. \
                      export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)"
+                        .into(),
+                ));
+            }
+            (_, TopologySource::OpenMpi) => {
+                return Err(topology_error(
+                    "MASTER_ADDR is not set: set it to the host name or IP address of rank 0 \
+                     (127.0.0.1 on one machine), or build with burn-ddp's `mpi` feature to meet \
+                     and reduce through MPI instead"
                         .into(),
                 ));
             }
@@ -430,10 +445,17 @@ mod tests {
             ])
             .contains("SLURM_NTASKS=0")
         );
-        assert!(
-            message(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")])
-                .contains("MASTER_ADDR")
-        );
+        let open_mpi = [("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")];
+        if cfg!(feature = "mpi") {
+            // The job meets through MPI: no store address needed (TcpGroup refuses it).
+            let topology = topology(&open_mpi).unwrap().unwrap();
+            assert_eq!((topology.rank, topology.world_size), (0, 2));
+            assert_eq!(topology.master_addr, "");
+        } else {
+            let message = message(&open_mpi);
+            assert!(message.contains("MASTER_ADDR"), "{message}");
+            assert!(message.contains("`mpi` feature"), "{message}");
+        }
         let mut vars = TORCHRUN.to_vec();
         vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
         assert!(message(&vars).contains("burn-ddp run"));

@@ -7,6 +7,8 @@ mod equivalence;
 mod failures;
 mod hooks;
 mod metrics;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod processes;
 mod replicas;
 mod sampling;

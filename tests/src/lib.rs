@@ -1030,6 +1030,57 @@ fn train_example_cnn_run(
     )
 }
 
+/// The [`Mlp`] with fixed values, the same in every process (value `j` of tensor `t` from
+/// `(t, j)`): a model without buffers, for multi-process runs compared with one device.
+pub fn deterministic_mlp() -> Mlp<TestBackend> {
+    let model = materialized(Mlp::new(&device()));
+    let values: Vec<Vec<f32>> = float_tensors(&model)
+        .iter()
+        .enumerate()
+        .map(|(t, v)| {
+            (0..v.len())
+                .map(|j| ((t * 7919 + j * 104_729) % 1000) as f32 / 2000.0 - 0.25)
+                .collect()
+        })
+        .collect();
+    with_values(model, &values)
+}
+
+/// [`deterministic_mlp`] trained with SGD (learning rate 0.1) for `steps` steps of
+/// `per_rank_batch` samples per rank on the [`synthetic_dataset`], as one rank of the job the
+/// environment describes (`DdpStrategy::from_env_with`, rendezvous timeout `timeout`), or
+/// with `group` when given.
+pub fn train_mlp(
+    group: Option<Arc<dyn ProcessGroup>>,
+    steps: usize,
+    per_rank_batch: usize,
+    config: DdpConfig,
+    timeout: std::time::Duration,
+) -> Result<Trained, DdpError> {
+    let world_size = match &group {
+        Some(group) => group.world_size(),
+        None => burn_ddp::world_size(),
+    };
+    let global_batch = per_rank_batch * world_size;
+    let mut run = Run::new(Some(1), global_batch, steps * global_batch);
+    if group.is_none() {
+        run.from_env = Some(timeout);
+    }
+    run.group = group;
+    run.config = config;
+    run_training(
+        deterministic_mlp(),
+        burn::optim::SgdConfig::new().init(),
+        0.1,
+        &run,
+    )
+}
+
+/// Rank `rank`'s `i`-th input in the collective tests (exact in `f32`, different per rank).
+pub fn collective_input(rank: usize, i: usize) -> f32 {
+    ((rank * 31 + i * 7) % 97) as f32 * 0.37 - 11.0
+}
+
 /// Writes tensors as `u64` length then little-endian `f32` values, tensor after tensor.
 pub fn write_tensors(path: &std::path::Path, tensors: &[Vec<f32>]) -> std::io::Result<()> {
     let mut bytes = Vec::new();

@@ -4,7 +4,7 @@
 //! - `cargo xtask example fashion-mnist [--features cuda] -- [ARGS]`: builds the example in
 //!   release mode and runs it with ARGS; with `--device cuda` in ARGS (or xtask's own `cuda`
 //!   feature) the example is built with its `cuda` feature.
-//! - `cargo xtask bench [-- --long --out DIR]`: the benchmark, in release mode.
+//! - `cargo xtask bench [--features mpi] [-- --long --out DIR]`: the benchmark, in release mode.
 //! - `cargo xtask gpu-check [--out DIR]`: builds the `gpu-check` binary and the Fashion-MNIST
 //!   example with CUDA (release, stripped, gzipped) and writes them to DIR (default
 //!   `target/gpu-check`) with `run.sh`, the script that runs the GPU checks on a machine with a
@@ -29,6 +29,9 @@ struct Cli {
 enum Task {
     /// Run the benchmark (release mode): throughput, collectives, bucket caps, projection.
     Bench {
+        /// Cargo features of the benchmark (`mpi`: MpiGroup in the sweeps, needs Open MPI).
+        #[arg(long)]
+        features: Option<String>,
         /// Arguments for the benchmark, after `--` (e.g. `--long`, `--out DIR`).
         #[arg(last = true)]
         args: Vec<String>,
@@ -62,11 +65,13 @@ fn main() -> ExitCode {
         return launch(&raw[1..]);
     }
     match Cli::parse().command {
-        Task::Bench { args } => {
+        Task::Bench { features, args } => {
             let mut cargo = cargo();
-            cargo
-                .args(["run", "--release", "--package", "ddp-bench", "--"])
-                .args(&args);
+            cargo.args(["run", "--release", "--package", "ddp-bench"]);
+            if let Some(features) = features {
+                cargo.args(["--features", &features]);
+            }
+            cargo.arg("--").args(&args);
             run(cargo)
         }
         Task::GpuCheck { out } => gpu_check(&out),

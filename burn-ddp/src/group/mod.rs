@@ -22,16 +22,22 @@
 //!   (ranks mod N, the order of a ring all-reduce), independent of timing. All CPU groups use this
 //!   order, so threads and processes give the same bits.
 //!
-//! Implementations: [`ThreadGroup`] (ranks are threads of one process, shared memory) and
-//! [`TcpGroup`] (ranks are processes, on one machine or many, connected by TCP).
+//! Implementations: [`ThreadGroup`] (ranks are threads of one process, shared memory),
+//! [`TcpGroup`] (ranks are processes, on one machine or many, connected by TCP) and, with the
+//! `mpi` feature, `MpiGroup` (the processes of an MPI job, over the site's MPI library; its
+//! reduction order is MPI's own and a failure ends the job with `MPI_Abort`, see its docs).
 
 pub(crate) mod counting;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod tcp;
 mod thread;
 
 use std::fmt;
 use std::time::Duration;
 
+#[cfg(feature = "mpi")]
+pub use mpi::{MPI_ABORT_EXIT_CODE, MpiGroup, launched_by_mpi};
 #[cfg(test)]
 pub(crate) use tcp::loopback_groups;
 pub use tcp::{SOCKET_IFNAME_VAR, TcpGroup, TcpGroupOptions};

@@ -67,9 +67,9 @@ type CudaCube = CubeBackend<CudaRuntime, f32, i32, u8>;
 /// Where a communicator's [`NcclUniqueId`] comes from.
 #[derive(Debug, Clone, Copy)]
 pub enum NcclIdSource {
-    /// Rank 0 creates it and shares it through the host process group (an all-gather of 16
-    /// words): threads of one process ([`ThreadGroup`](crate::ThreadGroup)) or processes joined
-    /// by the rendezvous ([`TcpGroup`](crate::TcpGroup)).
+    /// Rank 0 creates it and shares it through the host process group (a broadcast of its 128
+    /// bytes): threads of one process ([`ThreadGroup`](crate::ThreadGroup)), processes joined
+    /// by the rendezvous ([`TcpGroup`](crate::TcpGroup)) or by MPI (`MpiGroup`: `MPI_Bcast`).
     HostGroup,
     /// Every rank was given the same id, e.g. through the rendezvous store with
     /// [`NcclUniqueId::share_through_store`]. For groups built with [`NcclGroup::new`] in a
@@ -199,19 +199,24 @@ impl NcclGroup {
         let id = match id {
             NcclIdSource::Given(id) => id,
             NcclIdSource::HostGroup => {
-                let mine = if rank == 0 {
-                    api.unique_id(rank)?.to_words()
-                } else {
-                    [0u64; 16]
-                };
-                let all = host.all_gather(&mine, timeout)?;
-                all.get(..16)
-                    .and_then(NcclUniqueId::from_words)
-                    .ok_or_else(|| {
-                        DdpError::InvalidConfig(
-                            "the NCCL id exchange returned too few words".into(),
-                        )
-                    })?
+                // Rank 0's id to every rank by the host group's broadcast (MPI_Bcast under
+                // MpiGroup, as Horovod does): 128 bytes as 32 f32 bit patterns, copied and never
+                // computed on (bit-preserving on x86-64 and AArch64).
+                let mut bits = [0f32; 32];
+                if rank == 0 {
+                    for (i, word) in api.unique_id(rank)?.to_words().iter().enumerate() {
+                        bits[2 * i] = f32::from_bits(*word as u32);
+                        bits[2 * i + 1] = f32::from_bits((*word >> 32) as u32);
+                    }
+                }
+                host.broadcast(&mut bits, 0, timeout)?;
+                let words: Vec<u64> = bits
+                    .chunks_exact(2)
+                    .map(|pair| u64::from(pair[0].to_bits()) | u64::from(pair[1].to_bits()) << 32)
+                    .collect();
+                NcclUniqueId::from_words(&words).ok_or_else(|| {
+                    DdpError::InvalidConfig("the NCCL id exchange returned too few words".into())
+                })?
             }
         };
         let setup = |op: &'static str| move |e: cu::DriverError| driver_error(rank, op, 0, e);

@@ -137,6 +137,9 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     ///   device (a CPU repeated for threads); the [`TcpGroup`] is built
     ///   and connected here (the rendezvous waits for every rank, up to
     ///   [`TcpGroupOptions::default`]'s timeout), as [`with_process_group`](Self::with_process_group).
+    /// - With the `mpi` feature, under an MPI launcher (`mpirun`, `srun --mpi=pmix`; see
+    ///   `burn_ddp::group::launched_by_mpi`): the same, with an `MpiGroup` on `MPI_COMM_WORLD`
+    ///   instead (rank, world size and local rank from MPI; no `MASTER_ADDR`, no store).
     /// - A restart by the launcher (`burn-ddp run --max-restarts`, `BURN_DDP_RESTART_COUNT` above
     ///   0) resumes from the newest complete checkpoint when
     ///   [`DdpConfig::with_checkpoint_dir`] is set, as if [`DdpConfig::with_resume`] were on.
@@ -184,28 +187,21 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
                 "DdpStrategy::from_env needs at least one device, got none".into(),
             ));
         }
+        #[cfg(feature = "mpi")]
+        if crate::group::launched_by_mpi() {
+            // Rank, world size and local rank from MPI itself: no MASTER_ADDR, no store.
+            let group = crate::group::MpiGroup::world()?;
+            let device = local_device(&devices, group.rank(), group.local_rank())?;
+            crate::context::set_process(group.rank(), group.world_size());
+            return Ok(Self::with_process_group(device, Arc::new(group)));
+        }
         let Some(topology) = crate::topology::Topology::from_env()? else {
             // `burn_ddp::world_size()` answers the replica count from here on (to build a
             // DistributedDataLoader for it before training starts).
             crate::context::set_process(0, devices.len());
             return Ok(Self::new(devices));
         };
-        let device = match devices.get(topology.local_rank) {
-            Some(device) => device.clone(),
-            // One device, or one device repeated (CPU threads): every process uses it.
-            None if devices.iter().all(|d| d == &devices[0]) => devices[0].clone(),
-            None => {
-                return Err(DdpError::InvalidConfig(format!(
-                    "rank {} has local rank {} but {} devices were given: run one process per \
-                     device (--nproc-per-node at most {}), or leave one device visible per \
-                     process",
-                    topology.rank,
-                    topology.local_rank,
-                    devices.len(),
-                    devices.len()
-                )));
-            }
-        };
+        let device = local_device(&devices, topology.rank, topology.local_rank)?;
         let group = crate::TcpGroup::connect(&topology, options)?;
         crate::context::set_process(topology.rank, topology.world_size);
         let mut strategy = Self::with_process_group(device, Arc::new(group));
@@ -484,9 +480,12 @@ where
             ranks: Vec::new(),
         };
         let threads = self.process_group.is_none();
+        let mode = match &self.process_group {
+            None => "threads".to_string(),
+            Some(group) => format!("processes ({})", group.backend()),
+        };
         let start = format!(
-            "{world_size} replica(s) as {}, {} training items per rank, {}",
-            if threads { "threads" } else { "processes" },
+            "{world_size} replica(s) as {mode}, {} training items per rank, {}",
             shards[0].num_items(),
             self.config
         );
@@ -604,5 +603,21 @@ where
                 message: "rank 0 ended without returning its model".into(),
             })),
         }
+    }
+}
+
+/// The device of the process with `local_rank` among `devices`: its own entry, or the only one
+/// (a scheduler that leaves one GPU visible per task), or the one repeated (a CPU).
+fn local_device<D: PartialEq + Clone>(devices: &[D], rank: usize, local_rank: usize) -> Result<D> {
+    match devices.get(local_rank) {
+        Some(device) => Ok(device.clone()),
+        // One device, or one device repeated (CPU threads): every process uses it.
+        None if devices.iter().all(|d| d == &devices[0]) => Ok(devices[0].clone()),
+        None => Err(DdpError::InvalidConfig(format!(
+            "rank {rank} has local rank {local_rank} but {} devices were given: run one process \
+             per device (--nproc-per-node at most {}), or leave one device visible per process",
+            devices.len(),
+            devices.len()
+        ))),
     }
 }

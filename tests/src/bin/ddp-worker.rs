@@ -9,8 +9,13 @@
 //!            [--checkpoint-dir DIR] [--resume] [--checkpoint-every K]
 //!            [--fail-rank R --fail-at-batch K [--fail-attempt A]]
 //!            [--signal-rank R --signal-at-batch K] [--bucket-caps FIRST,REST]
+//!            [--model cnn|mlp] [--out-every-rank]
 //! ddp-worker launch N [--stop-grace-s S] -- WORKER ARGS...
+//! ddp-worker mpi-case CASE [--out FILE]      (feature `mpi`, under mpirun)
 //! ```
+//! `--out-every-rank`: every rank writes its parameters, to FILE.rankR. `--model mlp`: a
+//! deterministic MLP without buffers, SGD, on the synthetic 16-feature dataset (comparable with
+//! one device), instead of the CNN.
 //! `--ready-dir`: after its 2nd batch, each rank writes its pid to DIR/pid-RANK.
 //! `--fail-*`: rank R exits with code 3 at its K-th batch (only in restart round A, default 0).
 //! `--signal-*`: rank R (a thread rank with `--threads`) sends itself SIGTERM at its K-th batch
@@ -18,6 +23,10 @@
 //! `--checkpoint-dir`: checkpoints in DIR/checkpoint; `--resume` (or a launcher restart) resumes
 //! from the newest complete one. A run stopped by a signal exits with 143.
 //! `launch N`: runs burn-ddp's launcher with N copies of this program as workers.
+//! `mpi-case`: one `MpiGroup` scenario: `collectives` (every collective on known inputs, each
+//! rank's results to FILE.rankR), `silent` (rank 1 never calls the all-reduce rank 0 waits in,
+//! 1 s timeout), `exit` (rank 1 exits at once without finalising MPI), `mismatch-len` (ranks
+//! all-reduce different lengths), `mismatch-op` (rank 0 all-reduces, the others broadcast).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,6 +55,8 @@ struct Args {
     signal_rank: Option<usize>,
     signal_at_batch: usize,
     bucket_caps: Option<(usize, usize)>,
+    out_every_rank: bool,
+    mlp: bool,
 }
 
 fn parse(raw: &[String]) -> Result<Args, String> {
@@ -67,6 +78,8 @@ fn parse(raw: &[String]) -> Result<Args, String> {
         signal_rank: None,
         signal_at_batch: 2,
         bucket_caps: None,
+        out_every_rank: false,
+        mlp: false,
     };
     let mut it = raw.iter().cloned();
     while let Some(flag) = it.next() {
@@ -83,6 +96,12 @@ fn parse(raw: &[String]) -> Result<Args, String> {
             "--threads" => args.threads = Some(number(value()?)? as usize),
             "--checkpoint-dir" => args.checkpoint_dir = Some(PathBuf::from(value()?)),
             "--resume" => args.resume = true,
+            "--out-every-rank" => args.out_every_rank = true,
+            "--model" => match value()?.as_str() {
+                "mlp" => args.mlp = true,
+                "cnn" => args.mlp = false,
+                other => return Err(format!("--model mlp|cnn, got {other}")),
+            },
             "--checkpoint-every" => args.checkpoint_every = number(value()?)?,
             "--fail-rank" => args.fail_rank = Some(number(value()?)? as usize),
             "--fail-at-batch" => args.fail_at_batch = number(value()?)? as usize,
@@ -151,6 +170,10 @@ fn main() -> ExitCode {
     let raw: Vec<String> = std::env::args().skip(1).collect();
     if raw.first().map(String::as_str) == Some("launch") {
         return launcher(&raw[1..]);
+    }
+    #[cfg(feature = "mpi")]
+    if raw.first().map(String::as_str) == Some("mpi-case") {
+        return mpi_case(&raw[1..]);
     }
     let args = match parse(&raw) {
         Ok(args) => args,
@@ -223,18 +246,27 @@ fn main() -> ExitCode {
     }
     // Threads (--threads) or this process's rank, built from the launcher's environment in one
     // call, as a user's program would.
-    match train_example_cnn_from_env(
-        args.threads.unwrap_or(1),
-        args.steps,
-        args.per_rank_batch,
-        config,
-        args.epochs,
-        args.checkpoint_dir.clone(),
-        args.timeout,
-    ) {
+    let trained = if args.mlp {
+        burn_ddp_tests::train_mlp(None, args.steps, args.per_rank_batch, config, args.timeout)
+    } else {
+        train_example_cnn_from_env(
+            args.threads.unwrap_or(1),
+            args.steps,
+            args.per_rank_batch,
+            config,
+            args.epochs,
+            args.checkpoint_dir.clone(),
+            args.timeout,
+        )
+    };
+    match trained {
         Ok((tensors, _)) => {
-            if rank == 0
-                && let Some(out) = &args.out
+            let out = match &args.out {
+                Some(out) if args.out_every_rank => Some(out.with_extension(format!("rank{rank}"))),
+                Some(out) if rank == 0 => Some(out.clone()),
+                _ => None,
+            };
+            if let Some(out) = &out
                 && let Err(e) = write_tensors(out, &tensors)
             {
                 eprintln!(
@@ -249,6 +281,102 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("ddp-worker rank {rank}: {e}");
             ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
+/// `ddp-worker mpi-case CASE [--out FILE]`: one scenario of the MPI process group (see the
+/// module docs). Exit code 0 when the scenario ran as expected on this rank, 1 with the error on
+/// stderr otherwise.
+#[cfg(feature = "mpi")]
+fn mpi_case(raw: &[String]) -> ExitCode {
+    use burn_ddp::group::ReduceOp;
+    use burn_ddp::{MpiGroup, ProcessGroup};
+    use burn_ddp_tests::collective_input;
+
+    let case = raw.first().map(String::as_str).unwrap_or("");
+    let out = match raw.get(1..3) {
+        Some([flag, file]) if flag == "--out" => Some(PathBuf::from(file)),
+        _ => None,
+    };
+    let group = match MpiGroup::world() {
+        Ok(group) => group,
+        Err(e) => {
+            eprintln!("ddp-worker mpi-case: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (rank, n) = (group.rank(), group.world_size());
+    let long = Duration::from_secs(30);
+    let result: Result<(), burn_ddp::DdpError> = match case {
+        "collectives" => (|| {
+            let len = 10_007;
+            let mut sum: Vec<f32> = (0..len).map(|i| collective_input(rank, i)).collect();
+            let mut avg = sum.clone();
+            group.all_reduce(&mut sum, ReduceOp::Sum, long)?;
+            group.all_reduce(&mut avg, ReduceOp::Avg, long)?;
+            let mut broadcast = vec![rank as f32 + 0.5; 1000];
+            group.broadcast(&mut broadcast, n - 1, long)?;
+            group.barrier(long)?;
+            let gathered = group.all_gather(&[rank as u64, 7], long)?;
+            // An empty all-reduce and all-gather are calls too (same sequence on every rank).
+            group.all_reduce(&mut [], ReduceOp::Sum, long)?;
+            let empty = group.all_gather(&[], long)?;
+            let gathered: Vec<f32> = gathered.iter().map(|&v| v as f32).collect();
+            let tensors = [sum, avg, broadcast, gathered, vec![empty.len() as f32]];
+            if let Some(out) = &out {
+                let file = out.with_extension(format!("rank{rank}"));
+                write_tensors(&file, &tensors).map_err(|e| {
+                    burn_ddp::DdpError::InvalidConfig(format!("{}: {e}", file.display()))
+                })?;
+            }
+            Ok(())
+        })(),
+        "silent" => {
+            if rank == 1 {
+                // Never calls the collective; ended by rank 0's MPI_Abort (bounded anyway).
+                std::thread::sleep(Duration::from_secs(20));
+                Ok(())
+            } else {
+                group.all_reduce(&mut [1.0; 16], ReduceOp::Sum, Duration::from_secs(1))
+            }
+        }
+        "exit" => {
+            if rank == 1 {
+                eprintln!("ddp-worker rank 1: exiting without a collective");
+                std::process::exit(0);
+            }
+            group.all_reduce(&mut [1.0; 16], ReduceOp::Sum, long)
+        }
+        "mismatch-len" => {
+            let mut bucket = vec![1.0f32; 10 + rank];
+            let first = group.all_reduce(&mut bucket, ReduceOp::Sum, long);
+            // The group refuses what follows.
+            let second = group.barrier(long);
+            eprintln!("ddp-worker rank {rank}: then {second:?}");
+            first
+        }
+        "mismatch-op" => {
+            let mut bucket = vec![1.0f32; 10];
+            if rank == 0 {
+                group.all_reduce(&mut bucket, ReduceOp::Sum, long)
+            } else {
+                group.broadcast(&mut bucket, 0, long)
+            }
+        }
+        other => {
+            eprintln!("ddp-worker mpi-case: unknown case {other:?}");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => {
+            println!("ddp-worker rank {rank}: done");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("ddp-worker rank {rank}: {e}");
+            ExitCode::FAILURE
         }
     }
 }

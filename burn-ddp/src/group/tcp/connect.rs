@@ -58,6 +58,13 @@ impl TcpGroup {
     pub fn connect(topology: &Topology, options: &TcpGroupOptions) -> Result<TcpGroup> {
         let rank = topology.rank;
         let world_size = topology.world_size;
+        if topology.master_addr.is_empty() {
+            return Err(DdpError::Topology(
+                "MASTER_ADDR is not set: a TcpGroup meets through a store at MASTER_ADDR \
+                 (under mpirun/srun, the `mpi` feature's MpiGroup needs none)"
+                    .into(),
+            ));
+        }
         let started = Instant::now();
         let deadline = started.checked_add(options.connect_timeout);
         // Listen on the address this host uses to reach the store (a peer that reaches the store

@@ -146,12 +146,26 @@ impl TcpGroup {
                 // ThreadGroup's order (that matters only for NaN payloads, but keeps the bits
                 // identical).
                 let complete = arrived.len() / size;
-                for (i, own) in own.iter_mut().enumerate().take(complete).skip(added) {
-                    let partial: E =
-                        bytemuck::pod_read_unaligned(&arrived[i * size..(i + 1) * size]);
-                    *own = combine(partial, *own);
+                if complete <= added {
+                    return;
                 }
-                added = added.max(complete);
+                let bytes = &arrived[added * size..complete * size];
+                let own = &mut own[added..complete];
+                // The scratch is 8-byte aligned, so the elements can be read in place (a loop
+                // the compiler vectorises); the unaligned path is a fallback.
+                match bytemuck::try_cast_slice::<u8, E>(bytes) {
+                    Ok(partials) => {
+                        for (own, &partial) in own.iter_mut().zip(partials) {
+                            *own = combine(partial, *own);
+                        }
+                    }
+                    Err(_) => {
+                        for (own, bytes) in own.iter_mut().zip(bytes.chunks_exact(size)) {
+                            *own = combine(bytemuck::pod_read_unaligned(bytes), *own);
+                        }
+                    }
+                }
+                added = complete;
             })?;
         }
         // This rank now holds chunk r + 1 complete.
@@ -544,6 +558,30 @@ mod tests {
                 assert!((tcp[0].0[i] - expected).abs() <= 1e-4 * expected.abs().max(1.0));
             }
         }
+    }
+
+    #[test]
+    fn a_topology_without_a_store_address_is_refused_naming_master_addr() {
+        // What `Topology::from_env` gives under mpirun (feature `mpi`) without MASTER_ADDR.
+        let topology = crate::topology::Topology {
+            rank: 0,
+            world_size: 2,
+            local_rank: 0,
+            local_world_size: 2,
+            master_addr: String::new(),
+            master_port: 29500,
+            agent_store: false,
+            restart_count: 0,
+            source: crate::topology::TopologySource::OpenMpi,
+        };
+        let started = Instant::now();
+        let err =
+            TcpGroup::connect(&topology, &TcpGroupOptions { connect_timeout: T }).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(
+            matches!(&err, DdpError::Topology(m) if m.contains("MASTER_ADDR is not set")),
+            "{err}"
+        );
     }
 
     #[test]
