@@ -16,12 +16,20 @@ pub(crate) fn warn_console(message: &str) {
         .get_or_insert_with(HashSet::new)
         .insert(message.to_string())
     {
-        eprintln!("burn-ddp: warning: {message}");
+        to_stderr(&format!("burn-ddp: warning: {message}\n"));
     }
 }
 
 /// Logs `message` as a `tracing` info event and prints it to stderr.
 pub(crate) fn info_console(message: &str) {
     tracing::info!("burn-ddp: {message}");
-    eprintln!("burn-ddp: {message}");
+    to_stderr(&format!("burn-ddp: {message}\n"));
+}
+
+/// Writes `text` to stderr in one write (`eprintln!` writes its pieces one by one, and
+/// `mpirun --tag-output` and `srun --label` prefix every write, splitting lines). A failed write
+/// (stderr closed) is ignored, as `eprint!` would panic instead.
+pub(crate) fn to_stderr(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }

@@ -108,6 +108,21 @@ impl Topology {
     /// As [`from_env`](Self::from_env).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<Topology>> {
         let vars = Vars(&lookup);
+        let torchrun_under_mpirun = (vars.has("RANK") || vars.has("WORLD_SIZE"))
+            && vars.has("OMPI_COMM_WORLD_RANK")
+            && !vars.has(LAUNCHER_VAR)
+            && !vars.has("TORCHELASTIC_RUN_ID");
+        Self::read(&vars).map_err(|err| match err {
+            // A batch script that exports RANK for PyTorch, then runs mpirun.
+            DdpError::Topology(detail) if torchrun_under_mpirun => topology_error(format!(
+                "{detail} (RANK or WORLD_SIZE is set, so burn-ddp reads torchrun-style variables \
+                 and not mpirun's: unset RANK, WORLD_SIZE and LOCAL_RANK to use mpirun's)"
+            )),
+            other => other,
+        })
+    }
+
+    fn read(vars: &Vars<'_>) -> Result<Option<Topology>> {
         let torchrun = vars.has("RANK") || vars.has("WORLD_SIZE");
         let slurm =
             vars.has("SLURM_PROCID") && vars.has("SLURM_NTASKS") && vars.has("SLURM_STEP_ID");
@@ -231,9 +246,10 @@ impl Topology {
             }
             (_, TopologySource::OpenMpi) => {
                 return Err(topology_error(
-                    "MASTER_ADDR is not set: set it to the host name or IP address of rank 0 \
-                     (127.0.0.1 on one machine), or build with burn-ddp's `mpi` feature to meet \
-                     and reduce through MPI instead"
+                    "MASTER_ADDR is not set: pass it to every rank with `mpirun -x \
+                     MASTER_ADDR=<first host>` (127.0.0.1 on one machine), or build with \
+                     burn-ddp's `mpi` feature (`features = [\"mpi\"]`) to use MPI itself, \
+                     without MASTER_ADDR"
                         .into(),
                 ));
             }
@@ -459,6 +475,20 @@ mod tests {
         let mut vars = TORCHRUN.to_vec();
         vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
         assert!(message(&vars).contains("burn-ddp run"));
+    }
+
+    #[test]
+    fn rank_exported_before_mpirun_says_that_torchrun_variables_win() {
+        let open_mpi = [("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")];
+        let hinted = message(&[("RANK", "0"), open_mpi[0], open_mpi[1]]);
+        assert!(hinted.contains("WORLD_SIZE is not set"), "{hinted}");
+        assert!(
+            hinted.contains("unset RANK, WORLD_SIZE and LOCAL_RANK to use mpirun's"),
+            "{hinted}"
+        );
+        // Under the burn-ddp launcher the same variables are expected, and no hint is added.
+        let launched = message(&[("RANK", "0"), (LAUNCHER_VAR, "1"), open_mpi[0]]);
+        assert!(!launched.contains("mpirun's"), "{launched}");
     }
 
     #[test]

@@ -191,9 +191,24 @@ fn mpi_collectives_give_every_rank_the_tcp_groups_results() {
                 same_bits(got, &ranks[0]),
                 "{n} ranks: rank {r} got other bits than rank 0"
             );
-            let [sum, avg, broadcast, gathered, empty] = &got[..] else {
+            let [sum, avg, broadcast, gathered, empty, tiny, half] = &got[..] else {
                 panic!("rank {r} wrote {} tensors", got.len());
             };
+            let ranks_sum = (1..=n).sum::<usize>() as f32;
+            assert_eq!(tiny, &vec![ranks_sum, 2.0 * n as f32]);
+            // f16 averages: the exact average of the f16 inputs, rounded once.
+            let format = burn_ddp::group::HalfFloat::F16;
+            for (i, &got) in half.iter().enumerate() {
+                let exact: f32 = (0..n)
+                    .map(|q| format.to_f32(format.from_f32(collective_input(q, i))))
+                    .sum::<f32>()
+                    / n as f32;
+                assert_eq!(
+                    got,
+                    format.to_f32(format.from_f32(exact)),
+                    "{n} ranks: f16 average {i}"
+                );
+            }
             if n == 2 {
                 assert!(same_bits(
                     &[sum.clone(), avg.clone()],
@@ -234,6 +249,90 @@ fn a_rank_that_never_calls_the_collective_ends_every_rank_within_the_timeout_nam
         job.output
     );
     assert!(job.output.contains("MPI_Abort"), "{}", job.output);
+    assert_eq!(job.code, Some(1), "MPI_Abort's exit code:\n{}", job.output);
+}
+
+#[test]
+fn a_rank_that_fails_in_training_ends_the_job_naming_its_failure() {
+    // Rank 1 panics in its 2nd batch: the strategy aborts the group, which under MPI prints the
+    // failure and ends every rank (rank 0 waits in the step's all-reduce meanwhile).
+    let job = mpirun(
+        2,
+        &[
+            "--panic-rank",
+            "1",
+            "--panic-at-batch",
+            "2",
+            "--steps",
+            "4",
+            "--timeout-s",
+            "60",
+        ],
+        Duration::from_secs(90),
+    );
+    assert!(job.took < Duration::from_secs(45), "took {:?}", job.took);
+    assert_eq!(job.code, Some(1), "{}", job.output);
+    assert!(
+        job.output.contains("rank 1 aborted the group"),
+        "{}",
+        job.output
+    );
+    assert!(
+        job.output.contains("panicking on purpose at batch 2"),
+        "{}",
+        job.output
+    );
+    assert!(
+        job.output.contains("ending the MPI job (MPI_Abort"),
+        "{}",
+        job.output
+    );
+    assert!(
+        !job.output.contains("ddp-worker rank 0: done"),
+        "{}",
+        job.output
+    );
+}
+
+#[test]
+fn a_process_mpi_starts_alone_while_the_launcher_announced_more_is_an_error() {
+    // As under `srun` without `--mpi=pmix`: the launcher's variables say 2 ranks, MPI (not
+    // reached) makes this process a world of one. Without the check it would train alone.
+    let mut command = Command::new(WORKER);
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        if ["OMPI_", "PMIX_", "PMI_", "SLURM_"]
+            .iter()
+            .any(|p| key.starts_with(p))
+        {
+            command.env_remove(key);
+        }
+    }
+    let child = command
+        .args(["mpi-case", "collectives"])
+        .env("PMI_RANK", "1")
+        .env("PMI_SIZE", "2")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let Ok(output) = rx.recv_timeout(Duration::from_secs(60)) else {
+        // SAFETY: signals the worker this test started and has not reaped.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        panic!("the worker did not end within 60 s");
+    };
+    let output = output.unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("MPI gives this process a world of 1 but PMI_SIZE=2"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -270,7 +369,12 @@ fn a_rank_that_exits_without_a_collective_ends_the_job() {
         "{}",
         job.output
     );
-    assert!(job.output.contains("rank 1"), "{}", job.output);
+    // mpirun names the process that failed: "Process name: [[<job>,1],1]", exit code 3.
+    assert!(
+        job.output.contains("],1]") && job.output.contains("Exit code:    3"),
+        "{}",
+        job.output
+    );
     assert!(
         !job.output.contains("ddp-worker rank 0: done"),
         "{}",
@@ -283,14 +387,19 @@ fn different_lengths_or_operations_are_a_mismatch_on_every_rank() {
     for (case, theirs) in [
         ("mismatch-len", "all_reduce(sum, 11 f32) #0"),
         ("mismatch-op", "broadcast(root 0, 10 f32) #0"),
+        ("mismatch-half", "all_reduce_half(sum, 10 bf16) #0"),
     ] {
         let job = mpirun(2, &["mpi-case", case], Duration::from_secs(60));
         assert_eq!(job.code, Some(1), "{case}:\n{}", job.output);
+        let ours = if case == "mismatch-half" {
+            "all_reduce_half(sum, 10 f16) #0"
+        } else {
+            "all_reduce(sum, 10 f32) #0"
+        };
         // Rank 0 names rank 1's call; rank 1 names rank 0's.
         assert!(
             job.output.contains(&format!(
-                "collective mismatch seen by rank 0: it called all_reduce(sum, 10 f32) #0, \
-                 but rank 1 called {theirs}"
+                "collective mismatch seen by rank 0: it called {ours}, but rank 1 called {theirs}"
             )),
             "{case}:\n{}",
             job.output

@@ -20,7 +20,9 @@
 //! to all), so replicas stay identical. With 2 ranks both orders add the same two numbers and the
 //! bits are the same as TcpGroup's and [`ThreadGroup`](super::ThreadGroup)'s. An average is the
 //! sum divided by the world size on each rank, as the other CPU groups do. 16-bit all-reduces
-//! (gradient compression) are widened to `f32` (MPI has no 16-bit float type): no wire saving.
+//! (gradient compression) are widened to `f32` and rounded once at the end (MPI has no 16-bit
+//! float type): no wire saving, and with 3 or more ranks the last bit may differ from
+//! TcpGroup's, which rounds at every hop.
 //! With Open MPI, the group asks for the ring algorithm of `MPI_Iallreduce` (through the MPI tools
 //! interface) unless `OMPI_MCA_coll_libnbc_iallreduce_algorithm` is set: left to choose by size,
 //! Open MPI 4.1 was 2-3 times slower from 1 MiB on, on one machine.
@@ -32,8 +34,9 @@
 //! rank prints the error to stderr and calls `MPI_Abort`, which ends every process of the job
 //! (exit code 1, as [`DdpError::exit_code`] gives for a failure); `mpirun`/`srun` then reports
 //! the job as aborted. A process that exits without finalising MPI is ended the same way by
-//! `mpirun` itself. A mismatch is the one failure every rank sees at once: it is returned, and the
-//! group refuses later calls with [`DdpError::Aborted`].
+//! `mpirun` itself. A mismatch is the one failure every rank sees at once: a call returns it on
+//! every rank, and the group refuses later calls with [`DdpError::Aborted`] (under `DdpStrategy`,
+//! whose ranks abort on any failure, it then ends the job like the others).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -46,7 +49,7 @@ use mpi::request::Request;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use super::{Collective, ProcessGroup, ReduceOp};
+use super::{Collective, HalfFloat, ProcessGroup, ReduceOp};
 use crate::{DdpError, Result};
 
 /// The exit code of every process of a job ended by [`MpiGroup`] (`MPI_Abort`'s error code):
@@ -63,6 +66,22 @@ const SEGMENT_ELEMENTS: usize = 1 << 20;
 pub fn launched_by_mpi() -> bool {
     let has = |name: &str| std::env::var_os(name).is_some();
     !has("RANK") && (has("OMPI_COMM_WORLD_SIZE") || has("PMIX_RANK") || has("PMI_RANK"))
+}
+
+/// The world size the launcher announced: Open MPI's `OMPI_COMM_WORLD_SIZE`, Hydra's
+/// `PMI_SIZE`, or Slurm's `SLURM_NTASKS` inside a job step.
+fn launcher_world_size() -> Option<(&'static str, usize)> {
+    let number = |name: &str| std::env::var(name).ok()?.trim().parse::<usize>().ok();
+    if let Some(n) = number("OMPI_COMM_WORLD_SIZE") {
+        return Some(("OMPI_COMM_WORLD_SIZE", n));
+    }
+    if let Some(n) = number("PMI_SIZE") {
+        return Some(("PMI_SIZE", n));
+    }
+    if std::env::var_os("SLURM_STEP_ID").is_some() {
+        return number("SLURM_NTASKS").map(|n| ("SLURM_NTASKS", n));
+    }
+    None
 }
 
 /// MPI itself: initialised by the first [`MpiGroup::world`] of the process, finalised
@@ -127,7 +146,9 @@ const OPEN_MPI_IALLREDUCE_ALGORITHM: &str = "coll_libnbc_iallreduce_algorithm";
 
 /// Asks Open MPI for the ring algorithm in its non-blocking all-reduce, through the MPI tools
 /// interface (`MPI_T_cvar_write`), unless the user chose one
-/// (`OMPI_MCA_coll_libnbc_iallreduce_algorithm`). Left to choose, Open MPI 4.1 takes 1.05 ms
+/// (`OMPI_MCA_coll_libnbc_iallreduce_algorithm`, or an MCA parameter file: only the default 0,
+/// "Open MPI chooses", is replaced). The setting is process-wide: the program's own
+/// `MPI_Iallreduce` calls get the ring too. Left to choose, Open MPI 4.1 takes 1.05 ms
 /// for 1 MiB and 68 ms for 64 MiB on 2 ranks of one machine; with the ring 0.38 ms and 52 ms
 /// (`ddp-bench mpi-sweep`, same machine, side by side). Other MPI libraries have no such
 /// variable: nothing changes. Returns whether the ring was set.
@@ -157,8 +178,14 @@ fn prefer_ring_all_reduce() -> bool {
             if ffi::MPI_T_cvar_handle_alloc(index, std::ptr::null_mut(), &mut handle, &mut count)
                 == 0
             {
+                // Only over "let Open MPI choose" (0): a value from an MCA parameter file (or
+                // the program) stays.
+                let mut current: c_int = -1;
                 let ring: c_int = 1;
                 written = count == 1
+                    && ffi::MPI_T_cvar_read(handle, (&mut current as *mut c_int).cast::<c_void>())
+                        == 0
+                    && current == 0
                     && ffi::MPI_T_cvar_write(handle, (&ring as *const c_int).cast::<c_void>()) == 0;
                 ffi::MPI_T_cvar_handle_free(&mut handle);
             }
@@ -273,18 +300,43 @@ impl MpiGroup {
     /// collective: it duplicates the world communicator).
     ///
     /// Run the program under an MPI launcher (`mpirun -np 4 ./train`, `srun --mpi=pmix ./train`);
-    /// started alone it is a world of one.
+    /// started alone it is a world of one. MPI's start-up has no timeout of burn-ddp's: a rank
+    /// that never starts is the launcher's to report.
+    ///
+    /// Dropping the last group finalises MPI (`MPI_Finalize`), which waits for every rank: a rank
+    /// that gives up before its peers do (an error of its own between this call and the end of
+    /// training) must call [`ProcessGroup::abort`] first, or its peers wait for their next
+    /// collective's timeout while it waits in `MPI_Finalize`. `DdpStrategy` does this for the
+    /// errors it sees. Calls may come from any thread, one at a time (the group serialises
+    /// them); if the program also calls MPI from other threads, it needs the
+    /// `MPI_THREAD_MULTIPLE` this group asks for (Open MPI gives it).
     ///
     /// # Errors
     /// [`DdpError::InvalidConfig`] when MPI cannot be initialised, gives less than
-    /// `MPI_THREAD_SERIALIZED`, or was already finalised in this process.
+    /// `MPI_THREAD_SERIALIZED`, was already finalised in this process, or gives a world size
+    /// other than the launcher announced (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, or `SLURM_NTASKS`
+    /// in a job step: MPI did not reach the launcher, e.g. `srun` without `--mpi=pmix`).
     pub fn world() -> Result<MpiGroup> {
         let environment = environment()?;
         let world = SimpleCommunicator::world().duplicate();
         let local = world.split_shared(world.rank());
+        let world_size = world.size() as usize;
+        // A launcher whose MPI this library cannot reach (srun without the right `--mpi`
+        // plugin, another MPI's mpirun) leaves every process a world of one, which would train
+        // alone without a word.
+        if let Some((var, expected)) = launcher_world_size()
+            && expected != world_size
+        {
+            return Err(DdpError::InvalidConfig(format!(
+                "MPI gives this process a world of {world_size} but {var}={expected}: the MPI \
+                 library did not reach the launcher that started the job (under srun pass \
+                 --mpi=pmix, or the plugin this MPI was built with; use the mpirun of the MPI \
+                 this program was built against)"
+            )));
+        }
         let group = MpiGroup {
             rank: world.rank() as usize,
-            world_size: world.size() as usize,
+            world_size,
             local_rank: local.rank() as usize,
             local_world_size: local.size() as usize,
             seq: AtomicU64::new(0),
@@ -331,7 +383,6 @@ impl MpiGroup {
     /// Waits for `request` until the call's deadline, polling `MPI_Test`; past it, ends the job.
     fn complete<'a, D: ?Sized, S: mpi::request::Scope<'a>>(
         &self,
-        comm: &Comm,
         call: &Call,
         mut request: Request<'a, D, S>,
     ) {
@@ -350,23 +401,48 @@ impl MpiGroup {
                     missing: Vec::new(),
                     last_seen: Vec::new(),
                 };
-                self.end_job(comm, &err.to_string());
+                self.end_job(&err.to_string());
             }
             backoff(&mut polls);
         }
     }
 
-    /// Prints `why` and ends every process of the job (`MPI_Abort`): a pending MPI collective
-    /// cannot be cancelled, so no rank may return while a peer could still write into its
-    /// buffers.
-    fn end_job(&self, comm: &Comm, why: &str) -> ! {
-        eprintln!(
+    /// Prints `why` and ends every process of the job (`MPI_Abort` on `MPI_COMM_WORLD`, without
+    /// this group's lock, so another thread's pending call does not delay it): a pending MPI
+    /// collective cannot be cancelled, so no rank may return while a peer could still write
+    /// into its buffers.
+    fn end_job(&self, why: &str) -> ! {
+        crate::log::to_stderr(&format!(
             "burn-ddp: {why}\nburn-ddp: rank {}: ending the MPI job (MPI_Abort, exit code \
-             {MPI_ABORT_EXIT_CODE}): an MPI collective cannot be cancelled",
+             {MPI_ABORT_EXIT_CODE}): an MPI collective cannot be cancelled\n",
             self.rank
-        );
+        ));
         tracing::error!(target: "burn_ddp::log", "rank {}: {why}; MPI_Abort", self.rank);
-        comm.world.abort(MPI_ABORT_EXIT_CODE)
+        SimpleCommunicator::world().abort(MPI_ABORT_EXIT_CODE)
+    }
+
+    /// The call check, then the element-wise sum over ranks of `bucket`, in place, in segments
+    /// of at most 4 MiB, so the send copy (MPI's all-reduce reads one buffer and writes another)
+    /// is one segment, in cache, not a second copy of the bucket; measured as fast as one call
+    /// from 1 to 256 MiB (2 ranks, one machine).
+    fn sum(&self, call: &Call, bucket: &mut [f32]) -> Result<()> {
+        let mut guard = lock(&self.comm);
+        self.check(&guard, call)?;
+        for segment in bucket.chunks_mut(SEGMENT_ELEMENTS) {
+            guard.send.clear();
+            guard.send.extend_from_slice(segment);
+            let comm = &*guard;
+            mpi::request::scope(|scope| {
+                let request = comm.world.immediate_all_reduce_into(
+                    scope,
+                    &comm.send[..],
+                    segment,
+                    SystemOperation::sum(),
+                );
+                self.complete(call, request);
+            });
+        }
+        Ok(())
     }
 
     /// Every rank's call, compared: a rank whose call differs from this rank's is a
@@ -379,7 +455,7 @@ impl MpiGroup {
             let request = comm
                 .world
                 .immediate_all_gather_into(scope, &mine[..], &mut all[..]);
-            self.complete(comm, call, request);
+            self.complete(call, request);
         });
         for (peer, theirs) in all.chunks_exact(4).enumerate() {
             if theirs != mine {
@@ -439,28 +515,43 @@ impl ProcessGroup for MpiGroup {
         if self.world_size == 1 {
             return Ok(());
         }
-        let mut guard = lock(&self.comm);
-        self.check(&guard, &call)?;
-        // In segments of at most 4 MiB, so the send copy (MPI's all-reduce reads one buffer and
-        // writes another) is one segment, in cache, not a second copy of the bucket; measured
-        // as fast as one call from 1 to 256 MiB (2 ranks, one machine).
-        for segment in bucket.chunks_mut(SEGMENT_ELEMENTS) {
-            guard.send.clear();
-            guard.send.extend_from_slice(segment);
-            let comm = &*guard;
-            mpi::request::scope(|scope| {
-                let request = comm.world.immediate_all_reduce_into(
-                    scope,
-                    &comm.send[..],
-                    segment,
-                    SystemOperation::sum(),
-                );
-                self.complete(comm, &call, request);
-            });
-        }
+        self.sum(&call, bucket)?;
         if op == ReduceOp::Avg {
             let divisor = self.world_size as f32;
             bucket.iter_mut().for_each(|v| *v /= divisor);
+        }
+        Ok(())
+    }
+
+    /// Widened to `f32`, summed by MPI, then rounded once to `format` (MPI has no 16-bit float
+    /// type). [`TcpGroup`](super::TcpGroup) rounds at every hop of its ring instead, so with 3 or
+    /// more ranks the two can differ in the last bit; every rank still gets the same bits.
+    fn all_reduce_half(
+        &self,
+        bucket: &mut [u16],
+        format: HalfFloat,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let call = self.begin(
+            Collective::AllReduceHalf {
+                op,
+                len: bucket.len(),
+                format,
+            },
+            timeout,
+        )?;
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        let mut wide: Vec<f32> = bucket.iter().map(|&bits| format.to_f32(bits)).collect();
+        self.sum(&call, &mut wide)?;
+        let divisor = match op {
+            ReduceOp::Sum => 1.0,
+            ReduceOp::Avg => self.world_size as f32,
+        };
+        for (bits, value) in bucket.iter_mut().zip(wide) {
+            *bits = format.from_f32(value / divisor);
         }
         Ok(())
     }
@@ -473,24 +564,32 @@ impl ProcessGroup for MpiGroup {
             },
             timeout,
         )?;
-        if root >= self.world_size {
-            return Err(DdpError::InvalidConfig(format!(
+        let invalid = || {
+            DdpError::InvalidConfig(format!(
                 "broadcast #{} on rank {}: root {root} is not below the world size {}",
                 call.seq, self.rank, self.world_size
-            )));
-        }
+            ))
+        };
         if self.world_size == 1 {
-            return Ok(());
+            return if root == 0 { Ok(()) } else { Err(invalid()) };
         }
         let comm = lock(&self.comm);
+        // The check first: a root that differs between ranks is a mismatch on every rank; one
+        // that every rank gives and is out of range is refused by every rank.
         self.check(&comm, &call)?;
-        mpi::request::scope(|scope| {
-            let request = comm
-                .world
-                .process_at_rank(root as i32)
-                .immediate_broadcast_into(scope, buffer);
-            self.complete(&comm, &call, request);
-        });
+        if root >= self.world_size {
+            return Err(invalid());
+        }
+        // In segments: MPI counts elements in an `int`, and a model's broadcast can be larger.
+        for segment in buffer.chunks_mut(SEGMENT_ELEMENTS) {
+            mpi::request::scope(|scope| {
+                let request = comm
+                    .world
+                    .process_at_rank(root as i32)
+                    .immediate_broadcast_into(scope, segment);
+                self.complete(&call, request);
+            });
+        }
         Ok(())
     }
 
@@ -502,7 +601,7 @@ impl ProcessGroup for MpiGroup {
         let comm = lock(&self.comm);
         self.check(&comm, &call)?;
         let request = comm.world.immediate_barrier();
-        self.complete(&comm, &call, request);
+        self.complete(&call, request);
         Ok(())
     }
 
@@ -519,7 +618,7 @@ impl ProcessGroup for MpiGroup {
                 let request = comm
                     .world
                     .immediate_all_gather_into(scope, values, &mut all[..]);
-                self.complete(&comm, &call, request);
+                self.complete(&call, request);
             });
         }
         Ok(all)
@@ -529,16 +628,9 @@ impl ProcessGroup for MpiGroup {
     /// in a collective that cannot be cancelled. A group of one only records it.
     fn abort(&self, reason: &str) {
         let reason = format!("rank {} aborted the group: {reason}", self.rank);
-        {
-            let mut aborted = lock(&self.aborted);
-            if aborted.is_some() && self.world_size == 1 {
-                return;
-            }
-            aborted.get_or_insert_with(|| reason.clone());
-        }
+        lock(&self.aborted).get_or_insert_with(|| reason.clone());
         if self.world_size > 1 {
-            let comm = lock(&self.comm);
-            self.end_job(&comm, &reason);
+            self.end_job(&reason);
         }
     }
 

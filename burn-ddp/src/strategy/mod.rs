@@ -139,7 +139,8 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     ///   [`TcpGroupOptions::default`]'s timeout), as [`with_process_group`](Self::with_process_group).
     /// - With the `mpi` feature, under an MPI launcher (`mpirun`, `srun --mpi=pmix`; see
     ///   `burn_ddp::group::launched_by_mpi`): the same, with an `MpiGroup` on `MPI_COMM_WORLD`
-    ///   instead (rank, world size and local rank from MPI; no `MASTER_ADDR`, no store).
+    ///   instead (rank, world size and local rank from MPI; no `MASTER_ADDR`, no store; the
+    ///   rendezvous timeout of `options` does not apply: MPI's start-up is the launcher's).
     /// - A restart by the launcher (`burn-ddp run --max-restarts`, `BURN_DDP_RESTART_COUNT` above
     ///   0) resumes from the newest complete checkpoint when
     ///   [`DdpConfig::with_checkpoint_dir`] is set, as if [`DdpConfig::with_resume`] were on.
@@ -191,7 +192,14 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
         if crate::group::launched_by_mpi() {
             // Rank, world size and local rank from MPI itself: no MASTER_ADDR, no store.
             let group = crate::group::MpiGroup::world()?;
-            let device = local_device(&devices, group.rank(), group.local_rank())?;
+            let device = match local_device(&devices, group.rank(), group.local_rank()) {
+                Ok(device) => device,
+                Err(err) => {
+                    // Dropping the group would wait in MPI_Finalize for peers that wait for us.
+                    group.abort(&err.to_string());
+                    return Err(err);
+                }
+            };
             crate::context::set_process(group.rank(), group.world_size());
             return Ok(Self::with_process_group(device, Arc::new(group)));
         }
@@ -363,7 +371,7 @@ where
                 if let DdpError::Preempted { .. } = err {
                     // The process was asked to end, and the checkpoint is written: end it, with
                     // the documented exit code (`launch_ddp` returns the error instead).
-                    eprintln!("burn-ddp: {err}");
+                    crate::log::to_stderr(&format!("burn-ddp: {err}\n"));
                     std::process::exit(crate::PREEMPTED_EXIT_CODE);
                 }
                 tracing::error!("burn-ddp: training failed: {err}");
@@ -591,7 +599,7 @@ where
             // The one-line switch gets the figures too, not only `launch_ddp` with a kept clone.
             let report = lock(&self.report).clone();
             if !report.epochs.is_empty() {
-                eprint!("{report}");
+                crate::log::to_stderr(&report.to_string());
             }
         }
         match leader_parts {

@@ -36,8 +36,8 @@ use fashion_mnist::model::Cnn;
 #[command(version)]
 struct Args {
     /// Replicas (one thread each on CPU, one per GPU on CUDA); 1 trains with plain Burn. Default:
-    /// 2 on CPU, every visible GPU on CUDA. Under `burn-ddp run` (RANK and WORLD_SIZE set) each
-    /// process is one replica and this is ignored.
+    /// 2 on CPU, every visible GPU on CUDA. Under `burn-ddp run`, srun or mpirun each process is
+    /// one replica and this is ignored (the launcher's process count is the number of replicas).
     #[arg(long)]
     workers: Option<usize>,
     /// Train through burn-ddp's DdpStrategy even with one replica (to measure its overhead
@@ -47,7 +47,8 @@ struct Args {
     /// Epochs over the training set.
     #[arg(long, default_value_t = 2)]
     epochs: usize,
-    /// Global batch size (samples per optimizer step over all replicas); must divide by --workers.
+    /// Global batch size (samples per optimizer step over all replicas); must divide by the number
+    /// of replicas (--workers, or the launcher's process count).
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
     /// Seed of the initial weights and of the data order.

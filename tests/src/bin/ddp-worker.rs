@@ -9,7 +9,7 @@
 //!            [--checkpoint-dir DIR] [--resume] [--checkpoint-every K]
 //!            [--fail-rank R --fail-at-batch K [--fail-attempt A]]
 //!            [--signal-rank R --signal-at-batch K] [--bucket-caps FIRST,REST]
-//!            [--model cnn|mlp] [--out-every-rank]
+//!            [--model cnn|mlp] [--out-every-rank] [--panic-rank R --panic-at-batch K]
 //! ddp-worker launch N [--stop-grace-s S] -- WORKER ARGS...
 //! ddp-worker mpi-case CASE [--out FILE]      (feature `mpi`, under mpirun)
 //! ```
@@ -26,7 +26,10 @@
 //! `mpi-case`: one `MpiGroup` scenario: `collectives` (every collective on known inputs, each
 //! rank's results to FILE.rankR), `silent` (rank 1 never calls the all-reduce rank 0 waits in,
 //! 1 s timeout), `exit` (rank 1 exits at once without finalising MPI), `mismatch-len` (ranks
-//! all-reduce different lengths), `mismatch-op` (rank 0 all-reduces, the others broadcast).
+//! all-reduce different lengths), `mismatch-op` (rank 0 all-reduces, the others broadcast),
+//! `mismatch-half` (rank 0 all-reduces f16, the others bf16).
+//! `--panic-rank R --panic-at-batch K`: rank R panics in its K-th batch (a failure the strategy
+//! sees, unlike `--fail-rank`'s exit).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -57,6 +60,8 @@ struct Args {
     bucket_caps: Option<(usize, usize)>,
     out_every_rank: bool,
     mlp: bool,
+    panic_rank: Option<usize>,
+    panic_at_batch: usize,
 }
 
 fn parse(raw: &[String]) -> Result<Args, String> {
@@ -80,6 +85,8 @@ fn parse(raw: &[String]) -> Result<Args, String> {
         bucket_caps: None,
         out_every_rank: false,
         mlp: false,
+        panic_rank: None,
+        panic_at_batch: 2,
     };
     let mut it = raw.iter().cloned();
     while let Some(flag) = it.next() {
@@ -97,6 +104,8 @@ fn parse(raw: &[String]) -> Result<Args, String> {
             "--checkpoint-dir" => args.checkpoint_dir = Some(PathBuf::from(value()?)),
             "--resume" => args.resume = true,
             "--out-every-rank" => args.out_every_rank = true,
+            "--panic-rank" => args.panic_rank = Some(number(value()?)? as usize),
+            "--panic-at-batch" => args.panic_at_batch = number(value()?)? as usize,
             "--model" => match value()?.as_str() {
                 "mlp" => args.mlp = true,
                 "cnn" => args.mlp = false,
@@ -200,6 +209,7 @@ fn main() -> ExitCode {
     let (fail_rank, fail_at, fail_attempt) =
         (args.fail_rank, args.fail_at_batch, args.fail_attempt);
     let (signal_rank, signal_at) = (args.signal_rank, args.signal_at_batch);
+    let (panic_rank, panic_at) = (args.panic_rank, args.panic_at_batch);
     let _ = STEP_HOOK.set(Box::new(move |batch| {
         // This rank: the process's, or the thread's ("burn-ddp-rank-R"; rank 0 of a single
         // replica trains on the main thread).
@@ -213,6 +223,9 @@ fn main() -> ExitCode {
         if fail_rank == Some(rank) && batch == fail_at && attempt == fail_attempt {
             eprintln!("ddp-worker rank {rank}: failing on purpose at batch {batch}");
             std::process::exit(3);
+        }
+        if panic_rank == Some(rank) && batch == panic_at {
+            panic!("ddp-worker rank {rank}: panicking on purpose at batch {batch}");
         }
         if signal_rank == Some(rank) && batch == signal_at && attempt == 0 {
             eprintln!("ddp-worker rank {rank}: sending itself SIGTERM at batch {batch}");
@@ -323,7 +336,25 @@ fn mpi_case(raw: &[String]) -> ExitCode {
             group.all_reduce(&mut [], ReduceOp::Sum, long)?;
             let empty = group.all_gather(&[], long)?;
             let gathered: Vec<f32> = gathered.iter().map(|&v| v as f32).collect();
-            let tensors = [sum, avg, broadcast, gathered, vec![empty.len() as f32]];
+            // Fewer elements than ranks (some ranks' share is empty in a ring).
+            let mut tiny = vec![rank as f32 + 1.0, 2.0];
+            group.all_reduce(&mut tiny, ReduceOp::Sum, long)?;
+            // 16-bit compression: f16 averages of the same inputs.
+            let format = burn_ddp::group::HalfFloat::F16;
+            let mut half: Vec<u16> = (0..len)
+                .map(|i| format.from_f32(collective_input(rank, i)))
+                .collect();
+            group.all_reduce_half(&mut half, format, ReduceOp::Avg, long)?;
+            let half: Vec<f32> = half.iter().map(|&b| format.to_f32(b)).collect();
+            let tensors = [
+                sum,
+                avg,
+                broadcast,
+                gathered,
+                vec![empty.len() as f32],
+                tiny,
+                half,
+            ];
             if let Some(out) = &out {
                 let file = out.with_extension(format!("rank{rank}"));
                 write_tensors(&file, &tensors).map_err(|e| {
@@ -355,6 +386,15 @@ fn mpi_case(raw: &[String]) -> ExitCode {
             let second = group.barrier(long);
             eprintln!("ddp-worker rank {rank}: then {second:?}");
             first
+        }
+        "mismatch-half" => {
+            use burn_ddp::group::HalfFloat;
+            let format = if rank == 0 {
+                HalfFloat::F16
+            } else {
+                HalfFloat::Bf16
+            };
+            group.all_reduce_half(&mut [0u16; 10], format, ReduceOp::Sum, long)
         }
         "mismatch-op" => {
             let mut bucket = vec![1.0f32; 10];
