@@ -88,11 +88,22 @@ fn launcher_world_size() -> Option<(&'static str, usize)> {
 /// (`MPI_Finalize`) when the last group is dropped. MPI cannot be initialised twice.
 struct Environment {
     /// `None` when the program initialised MPI itself (it finalises it, too).
-    _universe: Option<Universe>,
+    universe: Option<Universe>,
+}
+
+/// The environment of the live groups, if any.
+static CURRENT: Mutex<Weak<Environment>> = Mutex::new(Weak::new());
+
+impl Drop for Environment {
+    /// Finalises MPI under [`CURRENT`]'s lock, so a group being made meanwhile sees MPI either
+    /// alive or finalised, never half-way.
+    fn drop(&mut self) {
+        let _current = lock(&CURRENT);
+        drop(self.universe.take());
+    }
 }
 
 fn environment() -> Result<Arc<Environment>> {
-    static CURRENT: Mutex<Weak<Environment>> = Mutex::new(Weak::new());
     let mut current = lock(&CURRENT);
     if let Some(env) = current.upgrade() {
         return Ok(env);
@@ -133,9 +144,7 @@ fn environment() -> Result<Arc<Environment>> {
         let ring = prefer_ring_all_reduce();
         tracing::debug!("burn-ddp: Open MPI's ring all-reduce chosen: {ring}");
     }
-    let env = Arc::new(Environment {
-        _universe: universe,
-    });
+    let env = Arc::new(Environment { universe });
     *current = Arc::downgrade(&env);
     Ok(env)
 }
@@ -309,7 +318,8 @@ impl MpiGroup {
     /// collective's timeout while it waits in `MPI_Finalize`. `DdpStrategy` does this for the
     /// errors it sees. Calls may come from any thread, one at a time (the group serialises
     /// them); if the program also calls MPI from other threads, it needs the
-    /// `MPI_THREAD_MULTIPLE` this group asks for (Open MPI gives it).
+    /// `MPI_THREAD_MULTIPLE` this group asks for (Open MPI gives it). A program that initialised
+    /// MPI itself must keep its `Universe` alive longer than its groups.
     ///
     /// # Errors
     /// [`DdpError::InvalidConfig`] when MPI cannot be initialised, gives less than
