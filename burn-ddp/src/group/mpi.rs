@@ -20,7 +20,7 @@
 //! to all), so replicas stay identical. With 2 ranks both orders add the same two numbers and the
 //! bits are the same as TcpGroup's and [`ThreadGroup`](super::ThreadGroup)'s. An average is the
 //! sum divided by the world size on each rank, as the other CPU groups do. 16-bit all-reduces
-//! (gradient compression) are widened to `f32` and rounded once at the end (MPI has no 16-bit
+//! (gradient compression) are widened to `f32` and rounded to 16 bits at the end (MPI has no 16-bit
 //! float type): no wire saving, and with 3 or more ranks the last bit may differ from
 //! TcpGroup's, which rounds at every hop.
 //! With Open MPI, the group asks for the ring algorithm of `MPI_Iallreduce` (through the MPI tools
@@ -89,10 +89,14 @@ fn launcher_world_size() -> Option<(&'static str, usize)> {
 struct Environment {
     /// `None` when the program initialised MPI itself (it finalises it, too).
     universe: Option<Universe>,
+    /// Whether MPI gives `MPI_THREAD_MULTIPLE` (else calls must never overlap, `MPI_Abort`
+    /// included).
+    multiple: bool,
 }
 
-/// The environment of the live groups, if any.
-static CURRENT: Mutex<Weak<Environment>> = Mutex::new(Weak::new());
+/// The environment of the live groups, if any, and whether burn-ddp initialised MPI in this
+/// process (then a dead environment means MPI is finalised, or being finalised right now).
+static CURRENT: Mutex<(Weak<Environment>, bool)> = Mutex::new((Weak::new(), false));
 
 impl Drop for Environment {
     /// Finalises MPI under [`CURRENT`]'s lock, so a group being made meanwhile sees MPI either
@@ -105,10 +109,11 @@ impl Drop for Environment {
 
 fn environment() -> Result<Arc<Environment>> {
     let mut current = lock(&CURRENT);
-    if let Some(env) = current.upgrade() {
+    if let Some(env) = current.0.upgrade() {
         return Ok(env);
     }
-    if mpi::environment::is_finalized() {
+    // `current.1`: the last group's drop may be finalising MPI on another thread right now.
+    if current.1 || mpi::environment::is_finalized() {
         return Err(DdpError::InvalidConfig(
             "MPI was finalised in this process (its last MpiGroup was dropped) and cannot be \
              initialised again: keep one MpiGroup for the life of the process"
@@ -126,7 +131,7 @@ fn environment() -> Result<Arc<Environment>> {
                  mpi::initialize_with_threading, or let MpiGroup::world initialise MPI"
             )));
         }
-        None
+        (None, level)
     } else {
         let (universe, level) =
             mpi::initialize_with_threading(Threading::Multiple).ok_or_else(|| {
@@ -138,14 +143,19 @@ fn environment() -> Result<Arc<Environment>> {
                  Serialized (MPI_THREAD_SERIALIZED): rebuild MPI with thread support"
             )));
         }
-        Some(universe)
+        (Some(universe), level)
     };
+    let (universe, level) = universe;
     if universe.is_some() {
         let ring = prefer_ring_all_reduce();
         tracing::debug!("burn-ddp: Open MPI's ring all-reduce chosen: {ring}");
     }
-    let env = Arc::new(Environment { universe });
-    *current = Arc::downgrade(&env);
+    let ours = universe.is_some();
+    let env = Arc::new(Environment {
+        universe,
+        multiple: level == Threading::Multiple,
+    });
+    *current = (Arc::downgrade(&env), ours);
     Ok(env)
 }
 
@@ -243,7 +253,7 @@ pub struct MpiGroup {
     comm: Mutex<Comm>,
     aborted: Mutex<Option<String>>,
     /// Declared last: dropped (finalising MPI if this was the last group) after `comm` is freed.
-    _environment: Arc<Environment>,
+    environment: Arc<Environment>,
 }
 
 /// The integer code of a collective in the call check.
@@ -323,10 +333,13 @@ impl MpiGroup {
     ///
     /// # Errors
     /// [`DdpError::InvalidConfig`] when MPI cannot be initialised, gives less than
-    /// `MPI_THREAD_SERIALIZED`, was already finalised in this process, or gives a world size
-    /// other than the launcher announced (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, or `SLURM_NTASKS`
-    /// in a job step: MPI did not reach the launcher, e.g. `srun` without `--mpi=pmix`).
+    /// `MPI_THREAD_SERIALIZED`, was already finalised in this process, or makes this process a
+    /// world of one while the launcher announced more (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, or
+    /// `SLURM_NTASKS` in a job step: MPI did not reach the launcher, e.g. `srun` without
+    /// `--mpi=pmix`).
     pub fn world() -> Result<MpiGroup> {
+        // Read before MPI_Init, which may change the environment.
+        let announced = launcher_world_size();
         let environment = environment()?;
         let world = SimpleCommunicator::world().duplicate();
         let local = world.split_shared(world.rank());
@@ -334,8 +347,9 @@ impl MpiGroup {
         // A launcher whose MPI this library cannot reach (srun without the right `--mpi`
         // plugin, another MPI's mpirun) leaves every process a world of one, which would train
         // alone without a word.
-        if let Some((var, expected)) = launcher_world_size()
-            && expected != world_size
+        if let Some((var, expected)) = announced
+            && world_size == 1
+            && expected > 1
         {
             return Err(DdpError::InvalidConfig(format!(
                 "MPI gives this process a world of {world_size} but {var}={expected}: the MPI \
@@ -355,7 +369,7 @@ impl MpiGroup {
                 send: Vec::new(),
             }),
             aborted: Mutex::new(None),
-            _environment: environment,
+            environment,
         };
         Ok(group)
     }
@@ -533,7 +547,7 @@ impl ProcessGroup for MpiGroup {
         Ok(())
     }
 
-    /// Widened to `f32`, summed by MPI, then rounded once to `format` (MPI has no 16-bit float
+    /// Widened to `f32`, summed by MPI, then rounded to `format` at the end (MPI has no 16-bit float
     /// type). [`TcpGroup`](super::TcpGroup) rounds at every hop of its ring instead, so with 3 or
     /// more ranks the two can differ in the last bit; every rank still gets the same bits.
     fn all_reduce_half(
@@ -640,6 +654,9 @@ impl ProcessGroup for MpiGroup {
         let reason = format!("rank {} aborted the group: {reason}", self.rank);
         lock(&self.aborted).get_or_insert_with(|| reason.clone());
         if self.world_size > 1 {
+            // Below MPI_THREAD_MULTIPLE no two MPI calls may overlap: wait for a pending call
+            // (it ends by its deadline, with MPI_Abort of its own if it times out).
+            let _serialised = (!self.environment.multiple).then(|| lock(&self.comm));
             self.end_job(&reason);
         }
     }
