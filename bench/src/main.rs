@@ -253,16 +253,20 @@ fn mpirun(n: usize) -> std::process::Command {
     command
 }
 
-/// The multi-process run over MPI: this binary started `n` times by `mpirun`.
-fn mpi_processes(kind: ModelKind, n: usize, plan: &Plan) -> Throughput {
+/// The multi-process run: this binary started `n` times, by burn-ddp's launcher
+/// ([`Strategy::DdpProcesses`], over `TcpGroup`) or by `mpirun` ([`Strategy::DdpMpi`]).
+fn processes(kind: ModelKind, strategy: Strategy, plan: &Plan) -> Throughput {
+    let n = strategy.world_size();
+    let mpi = matches!(strategy, Strategy::DdpMpi(_));
     let out = std::env::temp_dir().join(format!(
-        "ddp-bench-mpi-{}-{}.json",
+        "ddp-bench-{}-{}-{}.json",
         std::process::id(),
+        if mpi { "mpi" } else { "tcp" },
         kind.arg()
     ));
     let failed = |note: String| Throughput {
         model: kind,
-        strategy: Strategy::DdpMpi(n),
+        strategy,
         windows: Vec::new(),
         samples_per_second: 0.0,
         round_medians: Vec::new(),
@@ -273,67 +277,33 @@ fn mpi_processes(kind: ModelKind, n: usize, plan: &Plan) -> Throughput {
         Ok(program) => program,
         Err(e) => return failed(format!("cannot find this program: {e}")),
     };
-    let status = mpirun(n)
-        .arg(program)
-        .args(["worker", "--mpi", "--model", kind.arg()])
-        .args(["--global-batch", &plan.global_batch.to_string()])
-        .args(["--warmup", &plan.warmup_steps.to_string()])
-        .args(["--window", &plan.window_steps.to_string()])
-        .args(["--windows", &plan.windows.to_string()])
-        .arg("--out")
-        .arg(&out)
-        .status();
-    match status {
-        Ok(status) if status.success() => {}
-        Ok(status) => return failed(format!("mpirun: {status}")),
-        Err(e) => return failed(format!("cannot start mpirun: {e}")),
+    let mut args = vec!["worker".to_string()];
+    if mpi {
+        args.push("--mpi".into());
     }
-    let result = std::fs::read_to_string(&out)
-        .map_err(|e| e.to_string())
-        .and_then(|json| serde_json::from_str(&json).map_err(|e| e.to_string()));
-    let _ = std::fs::remove_file(&out);
-    result.unwrap_or_else(|e| failed(format!("no result from rank 0: {e}")))
-}
-
-/// The multi-process run: this binary started `n` times by burn-ddp's launcher.
-fn processes(kind: ModelKind, n: usize, plan: &Plan) -> Throughput {
-    let out = std::env::temp_dir().join(format!(
-        "ddp-bench-{}-{}.json",
-        std::process::id(),
-        kind.arg()
-    ));
-    let failed = |note: String| Throughput {
-        model: kind,
-        strategy: Strategy::DdpProcesses(n),
-        windows: Vec::new(),
-        samples_per_second: 0.0,
-        round_medians: Vec::new(),
-        split: None,
-        note: Some(note),
+    for (flag, value) in [
+        ("--model", kind.arg().to_string()),
+        ("--global-batch", plan.global_batch.to_string()),
+        ("--warmup", plan.warmup_steps.to_string()),
+        ("--window", plan.window_steps.to_string()),
+        ("--windows", plan.windows.to_string()),
+        ("--out", out.display().to_string()),
+    ] {
+        args.extend([flag.to_string(), value]);
+    }
+    let started = if mpi {
+        match mpirun(n).arg(program).args(&args).status() {
+            Ok(status) if status.success() => Ok(()),
+            Ok(status) => Err(format!("mpirun: {status}")),
+            Err(e) => Err(format!("cannot start mpirun: {e}")),
+        }
+    } else {
+        let mut config = LaunchConfig::new(n, program, args);
+        config.master_port = 0;
+        launch(&config).map(drop).map_err(|e| e.to_string())
     };
-    let program = match std::env::current_exe() {
-        Ok(program) => program,
-        Err(e) => return failed(format!("cannot find this program: {e}")),
-    };
-    let args = vec![
-        "worker".to_string(),
-        "--model".into(),
-        kind.arg().into(),
-        "--global-batch".into(),
-        plan.global_batch.to_string(),
-        "--warmup".into(),
-        plan.warmup_steps.to_string(),
-        "--window".into(),
-        plan.window_steps.to_string(),
-        "--windows".into(),
-        plan.windows.to_string(),
-        "--out".into(),
-        out.display().to_string(),
-    ];
-    let mut config = LaunchConfig::new(n, program, args);
-    config.master_port = 0;
-    if let Err(e) = launch(&config) {
-        return failed(e.to_string());
+    if let Err(e) = started {
+        return failed(e);
     }
     let result = std::fs::read_to_string(&out)
         .map_err(|e| e.to_string())
@@ -447,8 +417,9 @@ fn bench(cli: &Cli) -> Results {
                         round + 1
                     );
                     let result = match strategy {
-                        Strategy::DdpProcesses(n) => processes(kind, n, &plan),
-                        Strategy::DdpMpi(n) => mpi_processes(kind, n, &plan),
+                        Strategy::DdpProcesses(_) | Strategy::DdpMpi(_) => {
+                            processes(kind, strategy, &plan)
+                        }
                         _ => training::run(kind, strategy, &plan, None),
                     };
                     eprintln!("  {:.1} samples/s", result.samples_per_second);

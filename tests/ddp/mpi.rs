@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use burn_ddp::DdpConfig;
 use burn_ddp::group::ReduceOp;
 use burn_ddp_tests::{
-    Run, collective_input, deterministic_mlp, max_relative_difference, over_tcp, read_tensors,
-    run_training, train_mlp,
+    Run, clean_env, collective_input, deterministic_mlp, max_relative_difference, over_tcp,
+    read_tensors, run_training, train_mlp,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp-worker");
@@ -32,17 +32,7 @@ struct Job {
 /// kills the job's whole process group if it runs past `within`.
 fn mpirun(n: usize, args: &[&str], within: Duration) -> Job {
     let mut command = Command::new("mpirun");
-    for (key, _) in std::env::vars_os() {
-        let key = key.to_string_lossy();
-        let job = ["SLURM_", "OMPI_", "PMIX_", "PMI_", "BURN_DDP_", "MASTER_"]
-            .iter()
-            .any(|prefix| key.starts_with(prefix))
-            || ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"].contains(&key.as_ref());
-        if job {
-            command.env_remove(key.as_ref());
-        }
-    }
-    command
+    clean_env(&mut command)
         .args([
             "--oversubscribe",
             "--allow-run-as-root",
@@ -50,23 +40,30 @@ fn mpirun(n: usize, args: &[&str], within: Duration) -> Job {
             &n.to_string(),
             WORKER,
         ])
-        .args(args)
+        .args(args);
+    run_bounded(&mut command, within)
+}
+
+/// Runs `command` in a process group of its own, its stdout and stderr captured; kills the
+/// whole group (mpirun and its ranks) if it runs past `within`.
+fn run_bounded(command: &mut Command, within: Duration) -> Job {
+    command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
     let started = Instant::now();
     let child = command
         .spawn()
-        .expect("mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)");
+        .unwrap_or_else(|e| panic!("{command:?} (Open MPI: apt-get install openmpi-bin): {e}"));
     let pgid = child.id() as i32;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(child.wait_with_output());
     });
     let Ok(output) = rx.recv_timeout(within) else {
-        // SAFETY: signals the process group this test created (mpirun and its ranks).
+        // SAFETY: signals the process group this test created.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
-        panic!("mpirun -np {n} {args:?} did not end within {within:?}");
+        panic!("{command:?} did not end within {within:?}");
     };
     let output = output.unwrap();
     Job {
@@ -300,39 +297,17 @@ fn a_process_mpi_starts_alone_while_the_launcher_announced_more_is_an_error() {
     // As under `srun` without `--mpi=pmix`: the launcher's variables say 2 ranks, MPI (not
     // reached) makes this process a world of one. Without the check it would train alone.
     let mut command = Command::new(WORKER);
-    for (key, _) in std::env::vars_os() {
-        let key = key.to_string_lossy().into_owned();
-        if ["OMPI_", "PMIX_", "PMI_", "SLURM_"]
-            .iter()
-            .any(|p| key.starts_with(p))
-        {
-            command.env_remove(key);
-        }
-    }
-    let child = command
+    clean_env(&mut command)
         .args(["mpi-case", "collectives"])
         .env("PMI_RANK", "1")
-        .env("PMI_SIZE", "2")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let Ok(output) = rx.recv_timeout(Duration::from_secs(60)) else {
-        // SAFETY: signals the worker this test started and has not reaped.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        panic!("the worker did not end within 60 s");
-    };
-    let output = output.unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+        .env("PMI_SIZE", "2");
+    let job = run_bounded(&mut command, Duration::from_secs(60));
+    assert_eq!(job.code, Some(1), "{}", job.output);
     assert!(
-        stderr.contains("MPI gives this process a world of 1 but PMI_SIZE=2"),
-        "{stderr}"
+        job.output
+            .contains("MPI gives this process a world of 1 but PMI_SIZE=2"),
+        "{}",
+        job.output
     );
 }
 

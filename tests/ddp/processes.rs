@@ -12,7 +12,7 @@ use burn_ddp::advanced::launch::{LaunchConfig, launch};
 use burn_ddp::advanced::store::StoreServer;
 use burn_ddp::advanced::{ReplicaLayout, TensorKind};
 use burn_ddp::{DdpConfig, DdpError};
-use burn_ddp_tests::{ExampleCnn, TestBackend, device, read_tensors, train_example_cnn};
+use burn_ddp_tests::{ExampleCnn, TestBackend, clean_env, device, read_tensors, train_example_cnn};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp-worker");
 
@@ -38,22 +38,6 @@ fn worker_config(n: usize, args: &[&str]) -> LaunchConfig {
     config.master_port = 0;
     config.kill_grace = Duration::from_secs(3);
     config
-}
-
-/// Removes the variables of a surrounding job (a CI runner inside Slurm or MPI) from `command`,
-/// so the worker sees only the job this test describes.
-fn clean_env(command: &mut Command) -> &mut Command {
-    for (key, _) in std::env::vars_os() {
-        let key = key.to_string_lossy();
-        let job = ["SLURM_", "OMPI_", "BURN_DDP_", "TORCHELASTIC_", "MASTER_"]
-            .iter()
-            .any(|prefix| key.starts_with(prefix))
-            || ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"].contains(&key.as_ref());
-        if job {
-            command.env_remove(key.as_ref());
-        }
-    }
-    command
 }
 
 /// Starts one worker directly (no launcher) with the given rank environment, meeting the others

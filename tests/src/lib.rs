@@ -1076,6 +1076,31 @@ pub fn train_mlp(
     )
 }
 
+/// Removes the variables of a surrounding job (a CI runner inside Slurm or MPI: Slurm's, Open
+/// MPI's, PMIx's and Hydra's, torchrun's, burn-ddp's) from `command`, so the worker sees only the
+/// job the test describes.
+pub fn clean_env(command: &mut std::process::Command) -> &mut std::process::Command {
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        let job = [
+            "SLURM_",
+            "OMPI_",
+            "PMIX_",
+            "PMI_",
+            "BURN_DDP_",
+            "TORCHELASTIC_",
+            "MASTER_",
+        ]
+        .iter()
+        .any(|prefix| key.starts_with(prefix))
+            || ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"].contains(&key.as_ref());
+        if job {
+            command.env_remove(key.as_ref());
+        }
+    }
+    command
+}
+
 /// Rank `rank`'s `i`-th input in the collective tests (exact in `f32`, different per rank).
 pub fn collective_input(rank: usize, i: usize) -> f32 {
     ((rank * 31 + i * 7) % 97) as f32 * 0.37 - 11.0

@@ -34,6 +34,7 @@ mod tcp;
 mod thread;
 
 use std::fmt;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 #[cfg(feature = "mpi")]
@@ -140,6 +141,61 @@ impl fmt::Display for HalfFloat {
 }
 
 impl Collective {
+    /// The call as three numbers (operation code, length, argument), for a frame header or a
+    /// cross-rank check; [`decode`](Self::decode) reads them back.
+    pub(crate) fn encode(self) -> (u8, u64, u64) {
+        let op_code = |op: ReduceOp| match op {
+            ReduceOp::Sum => 0,
+            ReduceOp::Avg => 1,
+        };
+        match self {
+            Collective::AllReduce { op, len } => (1, len as u64, op_code(op)),
+            Collective::Broadcast { root, len } => (2, len as u64, root as u64),
+            Collective::Barrier => (3, 0, 0),
+            Collective::AllGather { len } => (4, len as u64, 0),
+            Collective::AllReduceHalf { op, len, format } => (
+                5,
+                len as u64,
+                op_code(op)
+                    | match format {
+                        HalfFloat::Bf16 => 0,
+                        HalfFloat::F16 => 2,
+                    },
+            ),
+        }
+    }
+
+    /// The call [`encode`](Self::encode) described; `None` for an unknown operation code.
+    pub(crate) fn decode(code: u8, len: u64, arg: u64) -> Option<Collective> {
+        let len = len as usize;
+        let op = |arg: u64| {
+            if arg & 1 == 0 {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Avg
+            }
+        };
+        Some(match code {
+            1 => Collective::AllReduce { op: op(arg), len },
+            2 => Collective::Broadcast {
+                root: arg as usize,
+                len,
+            },
+            3 => Collective::Barrier,
+            4 => Collective::AllGather { len },
+            5 => Collective::AllReduceHalf {
+                op: op(arg),
+                len,
+                format: if arg & 2 == 0 {
+                    HalfFloat::Bf16
+                } else {
+                    HalfFloat::F16
+                },
+            },
+            _ => return None,
+        })
+    }
+
     /// The operation's name without arguments (`"all_reduce"`, `"broadcast"`, ...).
     pub fn name(&self) -> &'static str {
         match self {
@@ -166,6 +222,40 @@ impl fmt::Display for Collective {
             }
         }
     }
+}
+
+/// `m`'s guard, also after a panic on another thread (the groups' state stays consistent: every
+/// update is one assignment).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Sleeps a little longer each time a poll finds the work unfinished (NCCL's and MPI's
+/// non-blocking calls): the first polls spin, later ones sleep up to 200 µs, so a short
+/// collective returns quickly and a long wait does not burn a core.
+#[cfg(any(feature = "cuda", feature = "mpi"))]
+pub(crate) fn backoff(polls: &mut u32) {
+    *polls += 1;
+    match *polls {
+        0..=64 => std::hint::spin_loop(),
+        65..=256 => std::thread::yield_now(),
+        _ => std::thread::sleep(Duration::from_micros(200)),
+    }
+}
+
+/// A 16-bit all-reduce done in `f32`: `bucket` (bits in `format`) widened, reduced in place by
+/// `reduce`, rounded back to `format` once.
+pub(crate) fn reduce_widened(
+    bucket: &mut [u16],
+    format: HalfFloat,
+    reduce: impl FnOnce(&mut [f32]) -> Result<()>,
+) -> Result<()> {
+    let mut wide: Vec<f32> = bucket.iter().map(|&bits| format.to_f32(bits)).collect();
+    reduce(&mut wide)?;
+    for (bits, value) in bucket.iter_mut().zip(wide) {
+        *bits = format.from_f32(value);
+    }
+    Ok(())
 }
 
 /// One rank's handle on a process group.
@@ -210,12 +300,7 @@ pub trait ProcessGroup: Send + Sync {
         op: ReduceOp,
         timeout: Duration,
     ) -> Result<()> {
-        let mut wide: Vec<f32> = bucket.iter().map(|&bits| format.to_f32(bits)).collect();
-        self.all_reduce(&mut wide, op, timeout)?;
-        for (bits, value) in bucket.iter_mut().zip(wide) {
-            *bits = format.from_f32(value);
-        }
-        Ok(())
+        reduce_widened(bucket, format, |wide| self.all_reduce(wide, op, timeout))
     }
 
     /// Copies `root`'s `buffer` into every other rank's `buffer` (same length on every rank).
@@ -282,8 +367,48 @@ pub trait ProcessGroup: Send + Sync {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// One call of every kind, with different arguments (for encoding tests).
+    pub(crate) fn every_kind() -> [Collective; 7] {
+        [
+            Collective::AllReduce {
+                op: ReduceOp::Avg,
+                len: 7,
+            },
+            Collective::AllReduce {
+                op: ReduceOp::Sum,
+                len: 0,
+            },
+            Collective::Broadcast { root: 3, len: 9 },
+            Collective::Barrier,
+            Collective::AllGather { len: 2 },
+            Collective::AllReduceHalf {
+                op: ReduceOp::Avg,
+                len: 5,
+                format: HalfFloat::F16,
+            },
+            Collective::AllReduceHalf {
+                op: ReduceOp::Sum,
+                len: 5,
+                format: HalfFloat::Bf16,
+            },
+        ]
+    }
+
+    #[test]
+    fn different_calls_encode_to_different_numbers_that_decode_back() {
+        let calls = every_kind();
+        for (i, call) in calls.iter().enumerate() {
+            let (code, len, arg) = call.encode();
+            assert_eq!(Collective::decode(code, len, arg), Some(*call));
+            for other in &calls[i + 1..] {
+                assert_ne!(call.encode(), other.encode(), "{call} and {other}");
+            }
+        }
+        assert_eq!(Collective::decode(0, 1, 2), None);
+    }
 
     #[test]
     fn collective_display_names_arguments() {

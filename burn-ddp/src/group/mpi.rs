@@ -39,7 +39,7 @@
 //! whose ranks abort on any failure, it then ends the job like the others).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use mpi::Threading;
@@ -49,7 +49,7 @@ use mpi::request::Request;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use super::{Collective, HalfFloat, ProcessGroup, ReduceOp};
+use super::{Collective, HalfFloat, ProcessGroup, ReduceOp, backoff, lock, reduce_widened};
 use crate::{DdpError, Result};
 
 /// The exit code of every process of a job ended by [`MpiGroup`] (`MPI_Abort`'s error code):
@@ -256,52 +256,6 @@ pub struct MpiGroup {
     environment: Arc<Environment>,
 }
 
-/// The integer code of a collective in the call check.
-fn code(op: &Collective) -> [u64; 3] {
-    match *op {
-        Collective::AllReduce { op, len } => [1, len as u64, op as u64],
-        Collective::Broadcast { root, len } => [2, len as u64, root as u64],
-        Collective::Barrier => [3, 0, 0],
-        Collective::AllGather { len } => [4, len as u64, 0],
-        Collective::AllReduceHalf { op, len, format } => {
-            [5, len as u64, op as u64 | (format as u64) << 8]
-        }
-    }
-}
-
-/// The collective a peer's call check describes (for the error message).
-fn decode(words: &[u64]) -> Collective {
-    let len = words[2] as usize;
-    let op = |w: u64| {
-        if w & 0xff == ReduceOp::Avg as u64 {
-            ReduceOp::Avg
-        } else {
-            ReduceOp::Sum
-        }
-    };
-    match words[1] {
-        1 => Collective::AllReduce {
-            op: op(words[3]),
-            len,
-        },
-        2 => Collective::Broadcast {
-            root: words[3] as usize,
-            len,
-        },
-        4 => Collective::AllGather { len },
-        5 => Collective::AllReduceHalf {
-            op: op(words[3]),
-            len,
-            format: if words[3] >> 8 == super::HalfFloat::F16 as u64 {
-                super::HalfFloat::F16
-            } else {
-                super::HalfFloat::Bf16
-            },
-        },
-        _ => Collective::Barrier,
-    }
-}
-
 /// A call in progress: what it is, for errors and the timeout.
 #[derive(Clone, Copy)]
 struct Call {
@@ -472,8 +426,9 @@ impl MpiGroup {
     /// Every rank's call, compared: a rank whose call differs from this rank's is a
     /// [`DdpError::Mismatch`] on every rank, in this same call.
     fn check(&self, comm: &Comm, call: &Call) -> Result<()> {
-        let [kind, len, arg] = code(&call.op);
-        let mine = [call.seq, kind, len, arg];
+        // The frame header's encoding of TcpGroup (`Collective::encode`), with the sequence.
+        let (kind, len, arg) = call.op.encode();
+        let mine = [call.seq, u64::from(kind), len, arg];
         let mut all = vec![0u64; 4 * self.world_size];
         mpi::request::scope(|scope| {
             let request = comm
@@ -488,7 +443,9 @@ impl MpiGroup {
                     op: call.op,
                     seq: call.seq,
                     peer,
-                    peer_op: decode(theirs),
+                    // Every rank encodes with the same code, so a peer's words always decode.
+                    peer_op: Collective::decode(theirs[1] as u8, theirs[2], theirs[3])
+                        .unwrap_or(Collective::Barrier),
                     peer_seq: theirs[0],
                 };
                 let mut aborted = lock(&self.aborted);
@@ -498,21 +455,6 @@ impl MpiGroup {
         }
         Ok(())
     }
-}
-
-/// Polls back off: the first polls spin, then yield, then sleep up to 200 µs, so a short
-/// collective returns quickly and a long wait does not burn a core.
-fn backoff(polls: &mut u32) {
-    *polls += 1;
-    match *polls {
-        0..=64 => std::hint::spin_loop(),
-        65..=256 => std::thread::yield_now(),
-        _ => std::thread::sleep(Duration::from_micros(200)),
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl ProcessGroup for MpiGroup {
@@ -568,16 +510,14 @@ impl ProcessGroup for MpiGroup {
         if self.world_size == 1 {
             return Ok(());
         }
-        let mut wide: Vec<f32> = bucket.iter().map(|&bits| format.to_f32(bits)).collect();
-        self.sum(&call, &mut wide)?;
-        let divisor = match op {
-            ReduceOp::Sum => 1.0,
-            ReduceOp::Avg => self.world_size as f32,
-        };
-        for (bits, value) in bucket.iter_mut().zip(wide) {
-            *bits = format.from_f32(value / divisor);
-        }
-        Ok(())
+        reduce_widened(bucket, format, |wide| {
+            self.sum(&call, wide)?;
+            if op == ReduceOp::Avg {
+                let divisor = self.world_size as f32;
+                wide.iter_mut().for_each(|v| *v /= divisor);
+            }
+            Ok(())
+        })
     }
 
     fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
@@ -674,46 +614,5 @@ impl std::fmt::Debug for MpiGroup {
             .field("local_rank", &self.local_rank)
             .field("next_seq", &self.seq.load(Ordering::Relaxed))
             .finish()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::group::HalfFloat;
-
-    #[test]
-    fn a_peers_call_reads_back_as_the_call_it_described() {
-        let calls = [
-            Collective::AllReduce {
-                op: ReduceOp::Avg,
-                len: 7,
-            },
-            Collective::AllReduce {
-                op: ReduceOp::Sum,
-                len: 0,
-            },
-            Collective::Broadcast { root: 3, len: 9 },
-            Collective::Barrier,
-            Collective::AllGather { len: 2 },
-            Collective::AllReduceHalf {
-                op: ReduceOp::Avg,
-                len: 5,
-                format: HalfFloat::F16,
-            },
-            Collective::AllReduceHalf {
-                op: ReduceOp::Sum,
-                len: 5,
-                format: HalfFloat::Bf16,
-            },
-        ];
-        for (i, call) in calls.iter().enumerate() {
-            let [kind, len, arg] = code(call);
-            assert_eq!(decode(&[42, kind, len, arg]), *call);
-            // Different calls have different words, so the check tells them apart.
-            for other in &calls[i + 1..] {
-                assert_ne!(code(call), code(other), "{call} and {other}");
-            }
-        }
     }
 }

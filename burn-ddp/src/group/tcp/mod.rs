@@ -30,13 +30,13 @@ mod wire;
 
 pub use connect::{SOCKET_IFNAME_VAR, TcpGroupOptions};
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 
-use super::{Collective, HalfFloat, ProcessGroup, ReduceOp};
+use super::{Collective, HalfFloat, ProcessGroup, ReduceOp, lock};
 use crate::partition::chunk_range;
 use crate::rendezvous::Rendezvous;
 use crate::{DdpError, Result};
@@ -234,10 +234,6 @@ impl TcpGroup {
             peer.send_abort(&call, reason);
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// `buf[a]` to read and `buf[b]` to write, for disjoint ranges.

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::group::{Collective, HalfFloat, ReduceOp};
+use crate::group::Collective;
 use crate::{DdpError, Result};
 
 pub(super) const HEADER_BYTES: usize = 40;
@@ -38,61 +38,9 @@ pub(super) struct Call {
     pub timeout: Duration,
 }
 
-fn encode(op: Collective) -> (u8, u64, u64) {
-    let op_code = |op: ReduceOp| match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Avg => 1,
-    };
-    match op {
-        Collective::AllReduce { op, len } => (1, len as u64, op_code(op)),
-        Collective::Broadcast { root, len } => (2, len as u64, root as u64),
-        Collective::Barrier => (3, 0, 0),
-        Collective::AllGather { len } => (4, len as u64, 0),
-        Collective::AllReduceHalf { op, len, format } => (
-            5,
-            len as u64,
-            op_code(op)
-                | match format {
-                    HalfFloat::Bf16 => 0,
-                    HalfFloat::F16 => 2,
-                },
-        ),
-    }
-}
-
-fn decode(code: u8, len: u64, arg: u64) -> Option<Collective> {
-    let len = len as usize;
-    let op = |arg: u64| {
-        if arg & 1 == 0 {
-            ReduceOp::Sum
-        } else {
-            ReduceOp::Avg
-        }
-    };
-    Some(match code {
-        1 => Collective::AllReduce { op: op(arg), len },
-        2 => Collective::Broadcast {
-            root: arg as usize,
-            len,
-        },
-        3 => Collective::Barrier,
-        4 => Collective::AllGather { len },
-        5 => Collective::AllReduceHalf {
-            op: op(arg),
-            len,
-            format: if arg & 2 == 0 {
-                HalfFloat::Bf16
-            } else {
-                HalfFloat::F16
-            },
-        },
-        _ => return None,
-    })
-}
-
 /// The header of a frame of `kind` for `call` with `payload` bytes.
 pub(super) fn header(kind: u8, call: &Call, payload: usize) -> [u8; HEADER_BYTES] {
-    let (code, len, arg) = encode(call.op);
+    let (code, len, arg) = call.op.encode();
     let mut h = [0u8; HEADER_BYTES];
     h[0] = kind;
     h[1] = code;
@@ -484,8 +432,8 @@ impl<'g> Streams<'g> {
             });
         }
         let peer_seq = word(&h[8..16]);
-        let Some(peer_op) =
-            decode(h[1], word(&h[16..24]), word(&h[24..32])).filter(|_| h[0] == KIND_DATA)
+        let Some(peer_op) = Collective::decode(h[1], word(&h[16..24]), word(&h[24..32]))
+            .filter(|_| h[0] == KIND_DATA)
         else {
             return Err(DdpError::PeerLeft {
                 rank: call.rank,
@@ -535,29 +483,7 @@ mod tests {
 
     #[test]
     fn every_collective_round_trips_through_a_header() {
-        let calls = [
-            Collective::AllReduce {
-                op: ReduceOp::Avg,
-                len: 7,
-            },
-            Collective::AllReduce {
-                op: ReduceOp::Sum,
-                len: 0,
-            },
-            Collective::Broadcast { root: 3, len: 9 },
-            Collective::Barrier,
-            Collective::AllGather { len: 2 },
-            Collective::AllReduceHalf {
-                op: ReduceOp::Avg,
-                len: 5,
-                format: HalfFloat::F16,
-            },
-            Collective::AllReduceHalf {
-                op: ReduceOp::Sum,
-                len: 5,
-                format: HalfFloat::Bf16,
-            },
-        ];
+        let calls = crate::group::tests::every_kind();
         for op in calls {
             let call = Call {
                 rank: 0,
@@ -567,7 +493,10 @@ mod tests {
                 timeout: Duration::ZERO,
             };
             let h = header(KIND_DATA, &call, 12);
-            assert_eq!(decode(h[1], word(&h[16..24]), word(&h[24..32])), Some(op));
+            assert_eq!(
+                Collective::decode(h[1], word(&h[16..24]), word(&h[24..32])),
+                Some(op)
+            );
             assert_eq!(word(&h[8..16]), 42);
             assert_eq!(word(&h[32..40]), 12);
         }
