@@ -37,11 +37,14 @@ mod checks;
 use changes::Changes;
 pub mod compress;
 mod device;
+mod gradients;
 mod host;
 pub mod layout;
+mod options;
 
 pub use compress::GradientCompression;
 pub use layout::{Bucket, BucketLayout};
+pub use options::{ReduceOptions, ReduceOutcome, StopVote};
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -58,80 +61,10 @@ use crate::replica::{LayoutFingerprints, ReplicaLayout, ReplicaView, TensorSpec}
 use crate::{DdpConfig, DdpError, Result};
 use checks::{Observed, Verdict};
 use device::{DevicePhase, DeviceRead, observe_device};
+use gradients::{has_gradient, numels, register_shaped, take_flat, with_dims};
 use host::HostPhase;
 use layout::trainable;
-
-/// Runs `$body` with `$D` bound to the const dimension `$ndims` (1 to 8).
-macro_rules! with_dims {
-    ($ndims:expr, $D:ident => $body:expr, else $fallback:expr) => {
-        with_dims!(@arms $ndims, $D, $body, $fallback, 1 2 3 4 5 6 7 8)
-    };
-    (@arms $ndims:expr, $D:ident, $body:expr, $fallback:expr, $($n:literal)*) => {
-        match $ndims {
-            $($n => {
-                const $D: usize = $n;
-                $body
-            })*
-            _ => $fallback,
-        }
-    };
-}
-
-/// The words the first bucket of every step carries after its presence flags. Summed (or
-/// averaged) over the ranks, a word is positive when any rank set it.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct Control {
-    /// This rank's trainable tensors differ from the agreed layout (frozen or unfrozen).
-    trainable_changed: f32,
-    /// This rank's model tensors differ from the agreed layout (added, removed, replaced), or it
-    /// has gradients for tensors its model does not train.
-    structure_changed: f32,
-    /// This rank's [`StopVote::interrupt`].
-    stop: f32,
-    /// This rank's [`StopVote::signal`].
-    signal: f32,
-    /// This rank's [`StopVote::out_of_data`].
-    out_of_data: f32,
-}
-
-impl Control {
-    /// Number of control words.
-    pub(crate) const LEN: usize = 5;
-
-    fn len(&self) -> usize {
-        Self::LEN
-    }
-
-    fn words(&self) -> [f32; Self::LEN] {
-        [
-            self.trainable_changed,
-            self.structure_changed,
-            self.stop,
-            self.signal,
-            self.out_of_data,
-        ]
-    }
-
-    fn from_words(words: &[f32]) -> Option<Self> {
-        match words {
-            [
-                trainable_changed,
-                structure_changed,
-                stop,
-                signal,
-                out_of_data,
-                ..,
-            ] => Some(Self {
-                trainable_changed: *trainable_changed,
-                structure_changed: *structure_changed,
-                stop: *stop,
-                signal: *signal,
-                out_of_data: *out_of_data,
-            }),
-            _ => None,
-        }
-    }
-}
+use options::Control;
 
 /// Per bucket, per parameter of the bucket: this rank's flattened gradient, if it has one.
 type Gradients<B> = Vec<Vec<Option<Tensor<B, 1>>>>;
@@ -699,134 +632,6 @@ impl<B: Backend> Phase<B> {
             Phase::Device(_, read) => read.control,
         }
     }
-}
-
-/// How [`Reducer::reduce_with`] combines the ranks' gradients.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReduceOptions {
-    /// This rank's gradients are multiplied by `weight` before the all-reduce (default 1). Join
-    /// mode weights each rank by its share of the step's samples and sums.
-    pub weight: f32,
-    /// The reduction ([`ReduceOp::Avg`] by default).
-    pub op: ReduceOp,
-    /// Clip the reduced gradients to this global 2-norm, as `torch.nn.utils.clip_grad_norm_`
-    /// does: multiply by `max_norm / (norm + 1e-6)` when that is below 1.
-    pub clip_norm: Option<f32>,
-    /// Check the gradients for NaN and infinity (before and after the all-reduce).
-    pub check_finite: bool,
-    /// This rank's vote to stop, carried by the step's first bucket (one collective for the
-    /// gradients and the vote); read every rank's in [`ReduceOutcome::stop`]. Default: none.
-    pub stop: StopVote,
-}
-
-impl Default for ReduceOptions {
-    fn default() -> Self {
-        Self {
-            weight: 1.0,
-            op: ReduceOp::Avg,
-            clip_norm: None,
-            check_finite: false,
-            stop: StopVote::default(),
-        }
-    }
-}
-
-/// A rank's request to stop training, carried by a step's gradient all-reduce (two control words
-/// of the first bucket) so that no separate collective is needed to agree on it: every rank
-/// learns in that step's [`ReduceOutcome::stop`] whether any rank asked.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StopVote {
-    /// burn-train's `Interrupter` asked to stop (a user's or a callback's stop).
-    pub interrupt: bool,
-    /// A stop signal (SIGTERM, SIGINT, SIGHUP) arrived: stop and write a step checkpoint.
-    pub signal: bool,
-    /// The rank has no batch left: it takes part in the step with no gradients (the same
-    /// collectives as every other rank, so even a group that cannot tell calls apart, NCCL,
-    /// learns it), and the ranks compare their batch counts.
-    pub out_of_data: bool,
-}
-
-impl StopVote {
-    /// Whether any stop was asked for (the end of the data included).
-    pub fn any(&self) -> bool {
-        self.interrupt || self.signal || self.out_of_data
-    }
-}
-
-/// What [`Reducer::reduce_with`] produced.
-#[derive(Debug)]
-pub struct ReduceOutcome {
-    /// The reduced (and possibly clipped) gradients; empty when they are not finite.
-    pub grads: GradientsParams,
-    /// Some rank's gradients held NaN or infinity (checked on the reduced values, so every rank
-    /// agrees).
-    pub non_finite: bool,
-    /// This rank's own gradients held NaN or infinity before the all-reduce.
-    pub local_non_finite: bool,
-    /// The global 2-norm of the reduced gradients before clipping, when clipping is on.
-    pub grad_norm: Option<f64>,
-    /// The factor the gradients were multiplied by, when they were clipped.
-    pub clip_scale: Option<f32>,
-    /// Whether any rank voted to stop in this step ([`ReduceOptions::stop`]).
-    pub stop: StopVote,
-}
-
-impl ReduceOutcome {
-    fn plain(grads: GradientsParams) -> Self {
-        Self {
-            grads,
-            non_finite: false,
-            local_non_finite: false,
-            grad_norm: None,
-            clip_scale: None,
-            stop: StopVote::default(),
-        }
-    }
-}
-
-fn numels(specs: &[TensorSpec]) -> Vec<usize> {
-    specs.iter().map(TensorSpec::numel).collect()
-}
-
-/// Whether `grads` holds a gradient for `spec`.
-fn has_gradient<B: Backend>(grads: &GradientsParams, spec: &TensorSpec) -> bool {
-    with_dims!(spec.shape.len(), D => grads.get::<B, D>(spec.id).is_some(), else false)
-}
-
-/// Removes `spec`'s gradient from `grads` and flattens it to one dimension.
-fn take_flat<B: Backend>(
-    grads: &mut GradientsParams,
-    spec: &TensorSpec,
-) -> std::result::Result<Option<Tensor<B, 1>>, String> {
-    let unsupported = || {
-        format!(
-            "parameter `{}` has {} dimensions; gradients of 1 to 8 dimensions are supported",
-            spec.path,
-            spec.shape.len()
-        )
-    };
-    with_dims!(spec.shape.len(), D => {
-        match grads.remove::<B, D>(spec.id) {
-            None => Ok(None),
-            Some(g) if g.shape().as_slice() != spec.shape.as_slice() => Err(format!(
-                "gradient of `{}` has shape {:?}, the parameter has shape {:?}",
-                spec.path,
-                g.shape().as_slice(),
-                spec.shape
-            )),
-            Some(g) => Ok(Some(g.reshape([spec.numel()]))),
-        }
-    }, else Err(unsupported()))
-}
-
-/// Registers a flat gradient under `spec`'s id with `spec`'s shape.
-fn register_shaped<B: Backend>(grads: &mut GradientsParams, spec: &TensorSpec, flat: Tensor<B, 1>) {
-    with_dims!(spec.shape.len(), D => {
-        let dims: [usize; D] = std::array::from_fn(|i| spec.shape[i]);
-        grads.register::<B, D>(spec.id, flat.reshape(dims));
-    }, else {
-        // `take_flat` rejected this parameter before, so the bucket never holds it.
-    })
 }
 
 #[cfg(test)]

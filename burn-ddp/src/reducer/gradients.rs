@@ -1,0 +1,74 @@
+//! Gradients in and out of buckets: taking a parameter's gradient out of burn's
+//! `GradientsParams` as a flat tensor, and registering a flat tensor back with its shape.
+
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use crate::replica::TensorSpec;
+
+/// Runs `$body` with `$D` bound to the const dimension `$ndims` (1 to 8).
+macro_rules! with_dims {
+    ($ndims:expr, $D:ident => $body:expr, else $fallback:expr) => {
+        with_dims!(@arms $ndims, $D, $body, $fallback, 1 2 3 4 5 6 7 8)
+    };
+    (@arms $ndims:expr, $D:ident, $body:expr, $fallback:expr, $($n:literal)*) => {
+        match $ndims {
+            $($n => {
+                const $D: usize = $n;
+                $body
+            })*
+            _ => $fallback,
+        }
+    };
+}
+pub(super) use with_dims;
+
+pub(super) fn numels(specs: &[TensorSpec]) -> Vec<usize> {
+    specs.iter().map(TensorSpec::numel).collect()
+}
+
+/// Whether `grads` holds a gradient for `spec`.
+pub(super) fn has_gradient<B: Backend>(grads: &GradientsParams, spec: &TensorSpec) -> bool {
+    with_dims!(spec.shape.len(), D => grads.get::<B, D>(spec.id).is_some(), else false)
+}
+
+/// Removes `spec`'s gradient from `grads` and flattens it to one dimension.
+pub(super) fn take_flat<B: Backend>(
+    grads: &mut GradientsParams,
+    spec: &TensorSpec,
+) -> std::result::Result<Option<Tensor<B, 1>>, String> {
+    let unsupported = || {
+        format!(
+            "parameter `{}` has {} dimensions; gradients of 1 to 8 dimensions are supported",
+            spec.path,
+            spec.shape.len()
+        )
+    };
+    with_dims!(spec.shape.len(), D => {
+        match grads.remove::<B, D>(spec.id) {
+            None => Ok(None),
+            Some(g) if g.shape().as_slice() != spec.shape.as_slice() => Err(format!(
+                "gradient of `{}` has shape {:?}, the parameter has shape {:?}",
+                spec.path,
+                g.shape().as_slice(),
+                spec.shape
+            )),
+            Some(g) => Ok(Some(g.reshape([spec.numel()]))),
+        }
+    }, else Err(unsupported()))
+}
+
+/// Registers a flat gradient under `spec`'s id with `spec`'s shape.
+pub(super) fn register_shaped<B: Backend>(
+    grads: &mut GradientsParams,
+    spec: &TensorSpec,
+    flat: Tensor<B, 1>,
+) {
+    with_dims!(spec.shape.len(), D => {
+        let dims: [usize; D] = std::array::from_fn(|i| spec.shape[i]);
+        grads.register::<B, D>(spec.id, flat.reshape(dims));
+    }, else {
+        // `take_flat` rejected this parameter before, so the bucket never holds it.
+    })
+}
