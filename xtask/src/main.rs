@@ -88,7 +88,9 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
             let mut cargo = cargo();
-            cargo.args(["run", "--release", "--package", &name]);
+            // `--bin`: an example package may hold other binaries (`gpu-check` beside
+            // `fashion-mnist`); the example is the binary of its own name.
+            cargo.args(["run", "--release", "--package", &name, "--bin", &name]);
             match features {
                 Some(features) => {
                     cargo.args(["--features", &features]);
