@@ -6,7 +6,7 @@
 //! it; these items may change between minor versions more readily than the crate root's.
 
 pub use crate::reducer::compress;
-pub use crate::reducer::{Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer, StopVote};
+pub use crate::reducer::{Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
 pub use crate::replica::{
     LayoutFingerprints, Replica, ReplicaLayout, ReplicaView, TensorKind, TensorSpec,
     average_buffers, broadcast_buffers, broadcast_module, fingerprints_of, tensor_fingerprints,

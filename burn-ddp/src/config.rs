@@ -90,7 +90,7 @@ impl PartialEq for DdpConfig {
 /// the all-reduced gradients, so every rank reaches the same verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum NonFinite {
-    /// Skip the optimizer step (and the LR scheduler step) on every rank and count it in
+    /// Skip the optimizer step on every rank and count it in
     /// [`RankReport::skipped_steps`](crate::metrics::RankReport::skipped_steps), as mixed-precision
     /// loss scalers do. The default.
     #[default]
@@ -120,13 +120,12 @@ pub enum BufferSync {
 /// Where validation runs at the end of every epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Validation {
-    /// Every rank validates its shard of the validation set (contiguous slices whose sizes differ
-    /// by at most one item: no padding, no item counted twice) and rank 0 reports the joined
-    /// outputs of each step, so its metrics equal single-device validation on the whole set. The
-    /// default. Needs an output type burn-ddp can join
-    /// ([`DistributedOutput`](crate::outputs::DistributedOutput): burn-train's
-    /// classification, multi-label and regression outputs); for any other, validation falls back
-    /// to `Rank0` with a warning.
+    /// Every rank validates a contiguous run of the validation loader's whole batches and rank 0
+    /// reports each batch as its own item, in the loader's order, so every metric equals
+    /// single-device validation on the whole set. The default. Between processes it needs an
+    /// output type burn-ddp can send ([`DistributedOutput`](crate::outputs::DistributedOutput):
+    /// burn-train's classification, multi-label and regression outputs); for any other,
+    /// validation falls back to `Rank0` with a warning.
     #[default]
     Sharded,
     /// Rank 0 validates the whole set while the other ranks wait, as single-device training

@@ -4,6 +4,8 @@
 //! The answer comes from, in order:
 //! 1. the rank thread the caller is on: [`DdpStrategy`](crate::DdpStrategy) and the rank threads
 //!    of a thread-mode run set it for their thread (so a train step on rank 1's thread sees 1);
+//!    in a loop of your own, the thread that built a
+//!    [`DistributedDataParallel`](crate::DistributedDataParallel), for as long as it lives;
 //! 2. the process: a multi-process run (its process group), or a thread-mode run, which counts as
 //!    the main process (rank 0) outside its rank threads, since rank 0 drives burn-train's events;
 //! 3. the launcher's environment (`RANK`/`WORLD_SIZE`, Slurm's or Open MPI's variables, as
@@ -19,6 +21,12 @@ thread_local! {
 }
 
 static PROCESS: Mutex<Option<(usize, usize)>> = Mutex::new(None);
+
+/// Threads that built a `DistributedDataParallel` still alive: (thread, hold, rank, world size).
+static HELD: Mutex<Vec<(std::thread::ThreadId, u64, usize, usize)>> = Mutex::new(Vec::new());
+
+/// Numbers the holds.
+static HOLDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// This caller's global rank (`0..world_size()`): see the module documentation for where it comes
 /// from. 0 when nothing is distributed.
@@ -40,6 +48,16 @@ pub fn is_main_process() -> bool {
 fn current() -> (usize, usize) {
     if let Some(found) = THREAD.with(Cell::get) {
         return found;
+    }
+    let me = std::thread::current().id();
+    if let Some(&(_, _, rank, world_size)) = HELD
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .rev()
+        .find(|(thread, ..)| *thread == me)
+    {
+        return (rank, world_size);
     }
     if let Some(found) = *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) {
         return found;
@@ -70,6 +88,34 @@ impl Drop for RankGuard {
     fn drop(&mut self) {
         let previous = self.previous;
         THREAD.with(|t| t.set(previous));
+    }
+}
+
+/// Makes [`rank`] and [`world_size`] answer `rank` and `world_size` on the calling thread for as
+/// long as the returned hold lives, wherever it is dropped (it may move to another thread with
+/// the `DistributedDataParallel` that keeps it). The rank thread of a strategy run wins.
+pub(crate) fn hold_rank(rank: usize, world_size: usize) -> RankHold {
+    let token = HOLDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    HELD.lock().unwrap_or_else(|e| e.into_inner()).push((
+        std::thread::current().id(),
+        token,
+        rank,
+        world_size,
+    ));
+    RankHold { token }
+}
+
+/// Ends a [`hold_rank`] when dropped.
+#[derive(Debug)]
+pub(crate) struct RankHold {
+    token: u64,
+}
+
+impl Drop for RankHold {
+    fn drop(&mut self) {
+        HELD.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(_, token, ..)| *token != self.token);
     }
 }
 

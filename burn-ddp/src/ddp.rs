@@ -8,14 +8,16 @@ use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 
+use crate::context::RankHold;
 use crate::group::ProcessGroup;
+use crate::lockstep::{Position, Probe};
 use crate::metrics::CommStats;
 use crate::reducer::{BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
 use crate::replica::{
-    Replica, ReplicaLayout, average_selected, broadcast_module, broadcast_selected,
+    Replica, ReplicaLayout, average_selected, broadcast_autodiff_module, broadcast_selected,
     verify_values_across,
 };
-use crate::{DdpConfig, DdpError, Result};
+use crate::{DdpConfig, DdpError, NonFinite, Result};
 
 /// Gradient synchronisation for one replica of a model, for training loops you write yourself.
 ///
@@ -76,6 +78,12 @@ pub struct DistributedDataParallel<B: AutodiffBackend> {
     reducer: Reducer,
     device: B::Device,
     config: DdpConfig,
+    /// Gradient synchronisations so far (the lockstep check's and the consistency check's count).
+    syncs: u64,
+    /// What shows a different optimizer in the first steps.
+    probe: Probe,
+    /// `burn_ddp::rank()` on the thread that built this wrapper.
+    _rank: RankHold,
     _backend: PhantomData<B>,
 }
 
@@ -95,14 +103,34 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         device: &B::Device,
         config: DdpConfig,
     ) -> Result<(Self, M)> {
+        if let Err(err) = custom_loop_settings(&config) {
+            // Every rank has the same configuration; the abort covers one that does not.
+            group.abort(&err.to_string());
+            return Err(err);
+        }
+        Self::for_replica(group, module, device, config)
+    }
+
+    /// [`new`](Self::new) with every setting of `config` accepted: the strategy's, which uses
+    /// the settings that belong to a training run itself.
+    pub(crate) fn for_replica<M: AutodiffModule<B>>(
+        group: Arc<dyn ProcessGroup>,
+        module: M,
+        device: &B::Device,
+        config: DdpConfig,
+    ) -> Result<(Self, M)> {
+        let rank = crate::context::hold_rank(group.rank(), group.world_size());
         let layout = ReplicaLayout::of(&module);
         let reducer = Reducer::new(group.clone(), &layout, &config)?;
-        let module = broadcast_module(module, group.as_ref(), 0, config.timeout())?;
+        let module = broadcast_autodiff_module(module, group.as_ref(), 0, config.timeout())?;
         Ok((
             Self {
                 reducer,
                 device: device.clone(),
                 config,
+                syncs: 0,
+                probe: Probe::new(&layout),
+                _rank: rank,
                 _backend: PhantomData,
             },
             module,
@@ -113,43 +141,137 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// ranks, bucket by bucket; every rank must call it once per optimizer step, with the model
     /// the gradients come from. The result is bit-identical on every rank.
     ///
+    /// The configuration's step settings apply: clipping by the global norm
+    /// ([`DdpConfig::with_clip_grad_norm`]); non-finite gradients
+    /// ([`DdpConfig::with_non_finite`]): by default the result is then empty, so the optimizer
+    /// step that follows changes nothing (skip your LR scheduler's step too), or
+    /// [`DdpError::NonFinite`]; the consistency check every `k` synchronisations
+    /// ([`DdpConfig::with_consistency_check_every`]).
+    ///
+    /// The ranks must be in step: when this thread draws its batches from a
+    /// [`DistributedDataLoader`](crate::DistributedDataLoader), every synchronisation also
+    /// compares the ranks' epochs, batch counts and batch sizes (a rank that skipped a
+    /// synchronisation, or whose loader was built with another batch size, is found at once), and
+    /// the first synchronisations compare the parameters after the optimizer's first steps
+    /// (another optimizer or hyper-parameters). All of it rides in the gradient reduction.
+    ///
     /// # Errors
     /// The reducer's errors: [`DdpError::Bucket`] for a gradient of the wrong shape,
     /// [`DdpError::ModelChanged`] when `model`'s tensors changed in a way the ranks cannot follow
-    /// together, the all-reduce's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...).
+    /// together, the all-reduce's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...);
+    /// [`DdpError::OutOfStep`] when the ranks are not at the same point of training;
+    /// [`DdpError::NonFinite`] with [`NonFinite::Error`](crate::config::NonFinite::Error);
+    /// [`DdpError::ReplicasDiverged`] from the consistency check.
     pub fn sync_gradients<M: AutodiffModule<B>>(
         &mut self,
         model: &M,
         grads: GradientsParams,
     ) -> Result<GradientsParams> {
-        self.reducer
-            .reduce::<B::InnerBackend>(&Replica::<B, M>::new(model), grads, &self.device)
+        let options = ReduceOptions {
+            clip_norm: self.config.clip_grad_norm(),
+            check_finite: self.config.non_finite() != NonFinite::Ignore,
+            ..ReduceOptions::default()
+        };
+        let outcome = self.sync_gradients_with(model, Some(grads), &options)?;
+        if !outcome.non_finite {
+            return Ok(outcome.grads);
+        }
+        match self.config.non_finite() {
+            NonFinite::Error => {
+                let flags = self.group().all_gather(
+                    &[u64::from(outcome.local_non_finite)],
+                    self.config.timeout(),
+                )?;
+                Err(DdpError::NonFinite {
+                    rank: self.rank(),
+                    epoch: crate::sampler::drawn_on_this_thread().map_or(0, |d| d.epoch as usize),
+                    step: self.syncs - 1,
+                    ranks: (0..flags.len()).filter(|&r| flags[r] != 0).collect(),
+                })
+            }
+            NonFinite::SkipStep | NonFinite::Ignore => {
+                tracing::warn!(
+                    "burn-ddp: rank {}: gradient synchronisation #{} skipped: the gradients are \
+                     not finite",
+                    self.rank(),
+                    self.syncs - 1
+                );
+                Ok(GradientsParams::new())
+            }
+        }
     }
 
     /// [`sync_gradients`](Self::sync_gradients) with options (see [`Reducer::reduce_with`]):
-    /// weighting, global-norm clipping, a NaN/infinity check; `None` contributes zeros (a rank
-    /// without a batch in join mode).
+    /// weighting, global-norm clipping, a NaN/infinity check, words of your own; `None`
+    /// contributes zeros (a rank without a batch in join mode). The options are used as given
+    /// (the configuration's clipping and non-finite policy are not added), the lockstep and
+    /// consistency checks run as in `sync_gradients`.
     ///
     /// # Errors
-    /// As [`sync_gradients`](Self::sync_gradients).
+    /// As [`sync_gradients`](Self::sync_gradients), but non-finite gradients are reported in the
+    /// outcome, not as an error.
     pub fn sync_gradients_with<M: AutodiffModule<B>>(
         &mut self,
         model: &M,
         grads: Option<GradientsParams>,
         options: &ReduceOptions,
     ) -> Result<ReduceOutcome> {
-        self.reducer.reduce_with::<B::InnerBackend>(
+        let every = self.config.consistency_check_every();
+        if every > 0 && self.syncs > 0 && self.syncs.is_multiple_of(every) {
+            // The model after `syncs` optimizer steps.
+            self.check_consistency(model, self.syncs)?;
+        }
+        let drawn = crate::sampler::drawn_on_this_thread().unwrap_or_default();
+        let position = Position {
+            epoch: drawn.epoch,
+            batches: drawn.batches,
+            samples: drawn.samples,
+            ..Position::default()
+        };
+        let (outcome, in_step) = self.sync_at(model, grads, options.clone(), position)?;
+        in_step?;
+        Ok(outcome)
+    }
+
+    /// One gradient synchronisation at `position` (the probe of the first steps is added here):
+    /// the reduction with `options` (the caller's words first, the position's after them, which
+    /// are taken off the outcome again), and whether the ranks were in step. A rank out of step is
+    /// reported by every rank; the strategy decides which failure to report first (an end of data
+    /// makes the ranks' positions differ too).
+    pub(crate) fn sync_at<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        grads: Option<GradientsParams>,
+        mut options: ReduceOptions,
+        mut position: Position,
+    ) -> Result<(ReduceOutcome, Result<()>)> {
+        let sync = self.syncs;
+        position.probe = self.probe.at(model, sync);
+        let caller = options.words.len();
+        options.words.extend(position.words());
+        let mut outcome = self.reducer.reduce_with::<B::InnerBackend>(
             &Replica::<B, M>::new(model),
             grads,
             &self.device,
-            options,
-        )
+            &options,
+        )?;
+        self.syncs += 1;
+        let lockstep = outcome.words.split_off(caller.min(outcome.words.len()));
+        let in_step = crate::lockstep::check(
+            &lockstep,
+            &position,
+            self.reducer.group().as_ref(),
+            sync,
+            self.config.timeout(),
+        );
+        Ok((outcome, in_step))
     }
 
-    /// The last [`sync_gradients_with`](Self::sync_gradients_with) was an end-of-data check
-    /// (every rank out of data): not counted as a gradient synchronisation.
+    /// The last synchronisation was an end-of-data check (every rank out of data): not counted as
+    /// a gradient synchronisation.
     pub(crate) fn uncount_step(&mut self) {
         self.reducer.uncount_step();
+        self.syncs = self.syncs.saturating_sub(1);
     }
 
     /// Copies rank 0's parameters and buffers into every rank's `module` again (one broadcast).
@@ -157,7 +279,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// # Errors
     /// The broadcast's errors.
     pub fn broadcast_module<M: AutodiffModule<B>>(&self, module: M) -> Result<M> {
-        broadcast_module(
+        broadcast_autodiff_module(
             module,
             self.reducer.group().as_ref(),
             0,
@@ -264,5 +386,67 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// waiting for this rank. Call it when this rank fails outside a collective.
     pub fn abort(&self, error: &DdpError) {
         self.reducer.group().abort(&error.to_string());
+    }
+}
+
+/// The settings of a [`DdpConfig`] that belong to a training run (checkpoints, resume,
+/// validation, burn-train's metrics, uneven data, buffers): [`DistributedDataParallel::new`]
+/// refuses them set to anything but their default, since a loop of your own does those things
+/// itself, rather than accept them and do nothing. (`with_stop_on_signal(false)` and
+/// `with_summary(false)` are what a custom loop does anyway: no handlers, no summary.)
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] naming the first such setting and what to do instead.
+fn custom_loop_settings(config: &DdpConfig) -> Result<()> {
+    let default = DdpConfig::default();
+    let refused: [(bool, &str, &str); 8] = [
+        (
+            config.checkpoint_dir().is_some(),
+            "with_checkpoint_dir",
+            "save your model and optimizer records yourself",
+        ),
+        (
+            config.resume(),
+            "with_resume",
+            "load your records before building the wrapper",
+        ),
+        (
+            config.checkpoint_every() != 0,
+            "with_checkpoint_every",
+            "save your records every k steps yourself",
+        ),
+        (
+            config.validation() != default.validation(),
+            "with_validation",
+            "validate in your loop (shard the validation set with DistributedSampler::with_rank)",
+        ),
+        (
+            config.metrics_every() != default.metrics_every(),
+            "with_metrics_every",
+            "report metrics from your loop",
+        ),
+        (
+            config.uneven_inputs() != default.uneven_inputs(),
+            "with_uneven_inputs",
+            "pass None to sync_gradients_with for a rank without a batch, with weights in \
+             ReduceOptions",
+        ),
+        (
+            config.buffer_sync() != default.buffer_sync(),
+            "with_buffer_sync",
+            "call sync_buffers or average_buffers after your optimizer step",
+        ),
+        (
+            config.epoch_end_timeout() != default.epoch_end_timeout(),
+            "with_epoch_end_timeout",
+            "a custom loop has no end-of-epoch meeting of burn-ddp's",
+        ),
+    ];
+    match refused.iter().find(|(set, _, _)| *set) {
+        Some((_, setting, instead)) => Err(DdpError::InvalidConfig(format!(
+            "DdpConfig::{setting} is a setting of DdpStrategy's training runs, which \
+             DistributedDataParallel does not do: {instead}"
+        ))),
+        None => Ok(()),
     }
 }

@@ -117,6 +117,22 @@ pub enum DdpError {
         detail: String,
     },
 
+    /// The ranks were not at the same point of training when they synchronised gradients: a
+    /// rank skipped or repeated a synchronisation, or its batches hold another number of samples,
+    /// or it trains with another learning rate or optimizer. Every rank reports it at the same
+    /// synchronisation (found inside the gradient reduction; see `DistributedDataParallel`).
+    #[error(
+        "ranks out of step at gradient synchronisation #{sync} (seen by rank {rank}): {detail}"
+    )]
+    OutOfStep {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The gradient synchronisation (0-based, counted since the wrapper was built).
+        sync: u64,
+        /// What differs, naming the ranks and both values.
+        detail: String,
+    },
+
     /// Replicas that must be bit-identical are not (found by a consistency check).
     #[error(
         "replicas diverged by step {step} (seen by rank {rank}): tensor {tensor} differs from rank 0's on rank(s) {ranks:?}"
@@ -260,7 +276,10 @@ pub enum DdpError {
     },
 
     /// A worker process of the launcher failed (and the restarts, if any, are used up).
-    #[error("rank {rank} (pid {pid}) {how} (attempt {attempts} of the group)")]
+    #[error(
+        "rank {rank} (pid {pid}) {how} (attempt {attempts} of the group){}",
+        describe_left_early(left_early)
+    )]
     WorkerExited {
         /// Global rank of the first worker that failed.
         rank: usize,
@@ -270,6 +289,9 @@ pub enum DdpError {
         how: String,
         /// Attempts made (1 + restarts).
         attempts: u32,
+        /// Ranks that had exited with code 0 while their peers were still training, before the
+        /// failure: often its cause (a rank whose loop ended early leaves its peers waiting).
+        left_early: Vec<usize>,
     },
 
     /// The launcher stopped its job because of a stop signal: it received SIGINT, SIGTERM or
@@ -340,6 +362,7 @@ impl DdpError {
             | DdpError::ReplicaMismatch { rank, .. }
             | DdpError::ReplicasDiverged { rank, .. }
             | DdpError::ModelChanged { rank, .. }
+            | DdpError::OutOfStep { rank, .. }
             | DdpError::Preempted { rank, .. }
             | DdpError::UnevenData { rank, .. }
             | DdpError::NonFinite { rank, .. }
@@ -427,6 +450,21 @@ fn describe_last_seen(last_seen: &[(usize, Option<u64>)]) -> String {
         })
         .collect();
     format!(" ({})", parts.join(", "))
+}
+
+fn describe_left_early(ranks: &[usize]) -> String {
+    match ranks {
+        [] => String::new(),
+        [rank] => format!(
+            "; rank {rank} had exited with code 0 before it while its peers were still training \
+             (a rank whose loop ended early, e.g. with fewer batches or steps, leaves its peers \
+             waiting for it)"
+        ),
+        ranks => format!(
+            "; ranks {ranks:?} had exited with code 0 before it while their peers were still \
+             training (a rank whose loop ended early leaves its peers waiting for it)"
+        ),
+    }
 }
 
 #[cfg(test)]

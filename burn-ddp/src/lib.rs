@@ -30,6 +30,7 @@ mod error;
 pub mod group;
 pub mod hooks;
 mod launch;
+mod lockstep;
 mod log;
 pub mod lr;
 pub mod metrics;

@@ -17,11 +17,12 @@ use burn::train::{ClassificationOutput, MultiLabelClassificationOutput, Regressi
 /// An output of a training or validation step that burn-ddp can join across replicas and send
 /// between processes.
 ///
-/// Joining concatenates along the batch dimension (dimension 0 of every tensor). A loss of shape
-/// `[1]` (a mean over the replica's batch) becomes that mean repeated once per sample, so the
-/// joined loss tensor has shape `[samples]` and its mean is the mean over the global batch:
-/// burn-train's `LossMetric` then weights each item by its samples, which makes the epoch's loss
-/// the mean over samples whatever the per-rank batch sizes.
+/// Joining concatenates along the batch dimension (dimension 0 of every tensor), so the joined
+/// output is the output of the global batch. A loss of shape `[1]` (a mean over the replica's
+/// batch) becomes the mean over the global batch, still of shape `[1]` (the replicas' means
+/// weighted by their samples): burn-train's `LossMetric` counts a `[1]` loss once per item, as it
+/// counts one device's batch once, so the epoch's loss equals one device's. A per-sample loss is
+/// concatenated.
 pub trait DistributedOutput: Sized + Send + 'static {
     /// The device type of the output's tensors.
     type Device: Clone + Send + Sync;
@@ -45,21 +46,27 @@ pub trait DistributedOutput: Sized + Send + 'static {
     fn decode(words: &mut &[u64], device: &Self::Device) -> Result<Self, String>;
 }
 
-/// Joins losses: `[1]`-shaped means repeated per sample, anything else concatenated.
+/// Joins losses: `[1]`-shaped means into the `[1]`-shaped mean over all the parts' samples,
+/// anything else concatenated.
 fn join_loss<B: Backend>(parts: Vec<(Tensor<B, 1>, usize)>, device: &B::Device) -> Tensor<B, 1> {
     let per_batch = parts.iter().all(|(loss, _)| loss.dims() == [1]);
-    let tensors: Vec<Tensor<B, 1>> = parts
+    if !per_batch {
+        return Tensor::cat(
+            parts
+                .into_iter()
+                .map(|(l, _)| l.to_device(device))
+                .collect(),
+            0,
+        );
+    }
+    let total: usize = parts.iter().map(|(_, samples)| samples).sum();
+    let weighted: Vec<Tensor<B, 1>> = parts
         .into_iter()
-        .map(|(loss, samples)| {
-            let loss = loss.to_device(device);
-            if per_batch {
-                loss.expand([samples.max(1)])
-            } else {
-                loss
-            }
-        })
+        .map(|(loss, samples)| loss.to_device(device).mul_scalar(samples as f64))
         .collect();
-    Tensor::cat(tensors, 0)
+    Tensor::cat(weighted, 0)
+        .sum()
+        .div_scalar(total.max(1) as f64)
 }
 
 fn cat<B: Backend, const D: usize, K>(
@@ -206,7 +213,6 @@ distributed_output!(RegressionOutput, output: 2, targets: 2);
 /// [`DistributedOutput`]'s functions for an output type `O` only known as a type parameter,
 /// found by its `TypeId` among burn-train's outputs on backend `B`.
 pub(crate) struct Codec<O, B: Backend> {
-    pub samples: fn(&O) -> usize,
     pub join: fn(Vec<O>, &B::Device) -> O,
     pub encode: fn(&O, &mut Vec<u64>),
     pub decode: fn(&mut &[u64], &B::Device) -> Result<O, String>,
@@ -228,12 +234,6 @@ fn cast<O: 'static, T: 'static>(value: O) -> T {
         // checking `TypeId::of::<T>() == TypeId::of::<O>()`, so the downcast cannot fail.
         Err(_) => unreachable!("cast between types with different TypeIds"),
     }
-}
-
-fn samples_as<T: DistributedOutput, O: 'static>(output: &O) -> usize {
-    (output as &dyn Any)
-        .downcast_ref::<T>()
-        .map_or(0, T::samples)
 }
 
 fn join_as<T: DistributedOutput, O: 'static>(parts: Vec<O>, device: &T::Device) -> O {
@@ -263,7 +263,6 @@ where
     B: Backend,
 {
     (TypeId::of::<T>() == TypeId::of::<O>()).then_some(Codec {
-        samples: samples_as::<T, O>,
         join: join_as::<T, O>,
         encode: encode_as::<T, O>,
         decode: decode_as::<T, O>,
@@ -295,7 +294,7 @@ mod tests {
     }
 
     #[test]
-    fn joining_concatenates_and_weights_the_loss_by_samples() {
+    fn joining_concatenates_and_takes_the_mean_loss_of_the_global_batch() {
         let a = classification(1.0, &[[1.0, 2.0, 3.0]], &[2]);
         let b = classification(
             4.0,
@@ -304,10 +303,10 @@ mod tests {
         );
         let joined = ClassificationOutput::join(vec![a, b], &Default::default());
         assert_eq!(joined.samples(), 4);
-        // Mean over the 4 samples: (1 * 1 + 4 * 3) / 4, as one batch of 4 would have it.
+        // Mean over the 4 samples: (1 * 1 + 4 * 3) / 4, as one batch of 4 would have it, and
+        // of shape [1], so burn-train counts the joined item once, as one device's batch.
         let loss: Vec<f32> = joined.loss.clone().into_data().to_vec().unwrap();
-        assert_eq!(loss, vec![1.0, 4.0, 4.0, 4.0]);
-        assert_eq!(joined.loss.mean().into_scalar(), 3.25);
+        assert_eq!(loss, vec![3.25]);
         let targets: Vec<i64> = joined
             .targets
             .into_data()
@@ -329,7 +328,6 @@ mod tests {
             let first = (codec.decode)(&mut rest, &Default::default()).unwrap();
             let _second = (codec.decode)(&mut rest, &Default::default()).unwrap();
             assert!(rest.is_empty(), "{} words left", rest.len());
-            assert_eq!((codec.samples)(&first), 2);
             first
         }
         let make = || classification(0.75, &[[1.5, -2.0, 3.25], [0.1, 0.2, 0.3]], &[7, -1]);

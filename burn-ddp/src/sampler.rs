@@ -47,37 +47,76 @@ impl Drop for EpochGuard {
     }
 }
 
+/// How far the last [`DistributedDataLoader`] iterated on a thread is: the sampler epoch, the
+/// batches drawn in it and the samples of the last one. A custom loop's
+/// [`DistributedDataParallel`](crate::DistributedDataParallel) sends it at every gradient
+/// synchronisation, so a rank that skipped a synchronisation or draws batches of another size is
+/// found at once. Loaders with uneven shards (validation, join mode) do not count: their ranks
+/// legitimately draw different numbers of batches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Drawn {
+    pub epoch: u64,
+    pub batches: u64,
+    pub samples: u64,
+}
+
+thread_local! {
+    static DRAWN: Cell<Option<Drawn>> = const { Cell::new(None) };
+}
+
+/// What the last counted [`DistributedDataLoader`] iterated on this thread has drawn.
+pub(crate) fn drawn_on_this_thread() -> Option<Drawn> {
+    DRAWN.with(Cell::get)
+}
+
 /// What [`DdpStrategy`](crate::DdpStrategy) hands a loader to: the handshake through which a
 /// [`DistributedDataLoader`] (which burn-train sees as any `DataLoader`) refuses a job it was
 /// not built for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Purpose {
-    /// Training with `world_size` replicas: the loader's sampler must be built for it.
-    Training { world_size: usize },
+    /// Training with `world_size` replicas, in join mode or not: the loader's sampler must be
+    /// built for that world size, for every rank, and with uneven shards only in join mode.
+    Training { world_size: usize, join: bool },
     /// Validation, sharded or on rank 0: every item must count once (no padding, no drops).
     Validation,
 }
 
+/// What a loader answered [`check_loader`].
+#[derive(Debug, Default)]
+struct Answer {
+    /// The first refusal.
+    refusal: Option<String>,
+    /// A [`DistributedDataLoader`]'s sampler and batch size, hashed.
+    fingerprint: Option<u64>,
+}
+
 thread_local! {
-    /// The purpose announced by [`check_loader`], and the first refusal a loader gave.
-    static SLICING: RefCell<Option<(Purpose, Option<String>)>> = const { RefCell::new(None) };
+    /// The purpose announced by [`check_loader`], and what the loader answered.
+    static SLICING: RefCell<Option<(Purpose, Answer)>> = const { RefCell::new(None) };
 }
 
 /// Announces `purpose` and slices `loader` whole (`slice(0, num_items)`, which a
 /// [`DistributedDataLoader`] answers by checking that it fits; other loaders ignore it).
+/// Returns the fingerprint of a `DistributedDataLoader`'s sampler and batch size (0 for any other
+/// loader), which the ranks of a multi-process job compare.
 ///
 /// # Errors
 /// [`DdpError::InvalidConfig`] with the loader's reason: a training loader built for another
-/// world size (naming both), a validation loader that pads or drops items.
+/// world size (naming both), for one rank only, or with uneven shards outside join mode; a
+/// validation loader that pads or drops items.
 pub(crate) fn check_loader<B: Backend, O>(
     loader: &dyn DataLoader<B, O>,
     purpose: Purpose,
-) -> Result<()> {
-    SLICING.with(|s| *s.borrow_mut() = Some((purpose, None)));
+) -> Result<u64> {
+    SLICING.with(|s| *s.borrow_mut() = Some((purpose, Answer::default())));
     let _ = loader.slice(0, loader.num_items());
-    match SLICING.with(|s| s.borrow_mut().take()) {
-        Some((_, Some(refusal))) => Err(DdpError::InvalidConfig(refusal)),
-        _ => Ok(()),
+    let answer = SLICING
+        .with(|s| s.borrow_mut().take())
+        .map(|(_, answer)| answer)
+        .unwrap_or_default();
+    match answer.refusal {
+        Some(refusal) => Err(DdpError::InvalidConfig(refusal)),
+        None => Ok(answer.fingerprint.unwrap_or(0)),
     }
 }
 use crate::{DdpError, Result};
@@ -110,6 +149,8 @@ pub struct DistributedSampler {
     shuffle: bool,
     seed: u64,
     tail: Tail,
+    /// The one rank whose shard a loader presents (custom loops); `None`: every rank's.
+    rank: Option<usize>,
 }
 
 /// What happens to a dataset that does not divide evenly between ranks.
@@ -146,7 +187,33 @@ impl DistributedSampler {
             shuffle: true,
             seed: 0,
             tail: Tail::Wrap,
+            rank: None,
         })
+    }
+
+    /// Makes a [`DistributedDataLoader`] over this sampler present `rank`'s shard only, as
+    /// PyTorch's `DistributedSampler(num_replicas, rank)` does: what a training loop of your own
+    /// iterates on each rank (`burn_ddp::rank()` or `ddp.rank()` gives it). Not for
+    /// [`DdpStrategy`](crate::DdpStrategy), which slices the loader of every rank's shards
+    /// itself (it refuses one built for a single rank).
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidConfig`] when `rank` is not below the world size.
+    pub fn with_rank(mut self, rank: usize) -> Result<Self> {
+        if rank >= self.world_size {
+            return Err(DdpError::InvalidConfig(format!(
+                "DistributedSampler::with_rank({rank}) with world size {}: ranks are 0..{}",
+                self.world_size, self.world_size
+            )));
+        }
+        self.rank = Some(rank);
+        Ok(self)
+    }
+
+    /// The rank whose shard a loader over this sampler presents, if only one
+    /// ([`with_rank`](Self::with_rank)).
+    pub fn rank(&self) -> Option<usize> {
+        self.rank
     }
 
     /// Shuffles each epoch with a generator seeded by `seed + epoch` (the default, with seed 0);
@@ -312,6 +379,8 @@ pub struct DistributedDataLoader<B: Backend, I, O> {
     next_epoch: Arc<AtomicU64>,
     num_workers: usize,
     prefetch_factor: usize,
+    /// Whether the warning about a loader read whole by one rank of several was given.
+    warned_whole: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Batches each prefetch worker builds ahead of the training step: PyTorch's `prefetch_factor`
@@ -352,13 +421,17 @@ where
         Ok(Self {
             dataset,
             batcher: Arc::new(batcher),
-            positions: 0..sampler.total_size(),
+            positions: match sampler.rank() {
+                Some(rank) => chunk_range(sampler.total_size(), sampler.world_size(), rank),
+                None => 0..sampler.total_size(),
+            },
             sampler,
             batch_size,
             device,
             next_epoch: Arc::new(AtomicU64::new(0)),
             num_workers: 0,
             prefetch_factor: DEFAULT_PREFETCH_FACTOR,
+            warned_whole: Arc::default(),
         })
     }
 
@@ -413,14 +486,51 @@ where
             next_epoch: Arc::new(AtomicU64::new(self.next_epoch.load(Ordering::Relaxed))),
             num_workers: self.num_workers,
             prefetch_factor: self.prefetch_factor,
+            warned_whole: self.warned_whole.clone(),
         }
+    }
+
+    /// Warns once when one rank of a multi-rank job reads every rank's shard (a loader of your
+    /// own loop built without [`DistributedSampler::with_rank`]): each rank would train on the
+    /// whole dataset, `world_size` times the work, with every sample counted `world_size` times.
+    fn warn_if_read_whole(&self, under_strategy: bool) {
+        let whole = self.positions == (0..self.sampler.total_size());
+        if under_strategy
+            || !whole
+            || self.sampler.world_size() < 2
+            || crate::world_size() < 2
+            || self.warned_whole.swap(true, Ordering::Relaxed)
+        {
+            return;
+        }
+        crate::log::warn_console(&format!(
+            "rank {}: this DistributedDataLoader presents all {} ranks' shards, so this rank reads \
+             the whole dataset; in a training loop of your own build its sampler with \
+             DistributedSampler::with_rank(burn_ddp::rank())",
+            crate::rank(),
+            self.sampler.world_size()
+        ));
     }
 
     /// Why this loader cannot serve `purpose`, if it cannot.
     fn refusal(&self, purpose: Purpose) -> Option<String> {
         let sampler = &self.sampler;
         match purpose {
-            Purpose::Training { world_size } if world_size != sampler.world_size() => {
+            Purpose::Training { .. } if sampler.rank().is_some() => Some(format!(
+                "the training DistributedDataLoader presents rank {}'s shard only \
+                 (DistributedSampler::with_rank, for loops of your own); DdpStrategy shards the \
+                 loader itself: build its sampler without with_rank",
+                sampler.rank().unwrap_or_default()
+            )),
+            Purpose::Training { join: false, .. } if sampler.tail == Tail::Uneven => Some(
+                "the training DistributedDataLoader's sampler has uneven shards \
+                 (with_uneven_shards): the ranks would have different numbers of batches, which \
+                 only UnevenInputs::Join handles; set DdpConfig::with_uneven_inputs(\
+                 UnevenInputs::Join), or build the sampler without with_uneven_shards (it pads, \
+                 as PyTorch's DistributedSampler does)"
+                    .to_string(),
+            ),
+            Purpose::Training { world_size, .. } if world_size != sampler.world_size() => {
                 Some(format!(
                     "the training DistributedDataLoader was built for world size {} but the job \
                      has {world_size} replicas: its shards would not be the ranks' shards; build \
@@ -460,7 +570,9 @@ where
 {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
         let counted = self.next_epoch.fetch_add(1, Ordering::Relaxed);
-        let epoch = EPOCH.with(Cell::get).unwrap_or(counted);
+        let strategy_epoch = EPOCH.with(Cell::get);
+        let epoch = strategy_epoch.unwrap_or(counted);
+        self.warn_if_read_whole(strategy_epoch.is_some());
         let build = Build {
             dataset: self.dataset.clone(),
             batcher: self.batcher.clone(),
@@ -489,10 +601,21 @@ where
                 })
                 .collect()
         });
+        let counts = self.sampler.tail != Tail::Uneven;
+        if counts {
+            DRAWN.with(|d| {
+                d.set(Some(Drawn {
+                    epoch,
+                    ..Drawn::default()
+                }))
+            });
+        }
         Box::new(DistributedIterator {
             build,
             queues,
             batch: 0,
+            epoch,
+            counts,
         })
     }
 
@@ -506,10 +629,22 @@ where
 
     fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<B, O>> {
         SLICING.with(|s| {
-            if let Some((purpose, found)) = s.borrow_mut().as_mut()
-                && found.is_none()
-            {
-                *found = self.refusal(*purpose);
+            if let Some((purpose, answer)) = s.borrow_mut().as_mut() {
+                if answer.refusal.is_none() {
+                    answer.refusal = self.refusal(*purpose);
+                }
+                let sampler = &self.sampler;
+                answer.fingerprint = Some(crate::replica::fnv(
+                    [
+                        sampler.len as u64,
+                        sampler.world_size as u64,
+                        u64::from(sampler.shuffle),
+                        sampler.seed,
+                        sampler.tail as u64,
+                        self.batch_size as u64,
+                    ]
+                    .into_iter(),
+                ));
             }
         });
         let begin = (self.positions.start + start).min(self.positions.end);
@@ -622,6 +757,10 @@ struct DistributedIterator<B: Backend, I, O> {
     queues: Option<Vec<Queue<O>>>,
     /// The next batch.
     batch: usize,
+    /// The sampler epoch.
+    epoch: u64,
+    /// Whether the batches drawn are recorded for the thread ([`drawn_on_this_thread`]).
+    counts: bool,
 }
 
 impl<B: Backend, I, O> Iterator for DistributedIterator<B, I, O> {
@@ -651,6 +790,17 @@ impl<B: Backend, I, O> Iterator for DistributedIterator<B, I, O> {
                 }
             }
         };
+        if self.counts {
+            let start = k * self.build.batch_size;
+            let samples = (start + self.build.batch_size).min(self.build.indices.len()) - start;
+            DRAWN.with(|d| {
+                d.set(Some(Drawn {
+                    epoch: self.epoch,
+                    batches: self.batch as u64,
+                    samples: samples as u64,
+                }))
+            });
+        }
         // The one panic kept on purpose: `Iterator::next` (burn-train's loader interface) has no
         // error channel, so a batch that could not be built unwinds the training thread, where
         // DdpStrategy catches it and reports `DdpError::WorkerPanicked` for this rank (the same

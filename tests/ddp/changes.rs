@@ -15,8 +15,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::{DdpConfig, DdpError, DistributedDataParallel, ProcessGroup, ThreadGroup};
 use burn_ddp_tests::{
-    Batch, CLASSES, FEATURES, ItemBatcher, Run, TestBackend, device, float_tensors,
-    max_relative_difference, run_training, synthetic_dataset,
+    Batch, CLASSES, FEATURES, GlobalNormClipped, ItemBatcher, Run, TestBackend, copy_of, device,
+    float_tensors, max_relative_difference, run_training, synthetic_dataset,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -300,7 +300,9 @@ pub struct Tied<B: Backend> {
 
 impl<B: Backend> Tied<B> {
     fn new(device: &B::Device) -> Self {
-        let first = LinearConfig::new(FEATURES, FEATURES).init(device);
+        let first: Linear<B> = LinearConfig::new(FEATURES, FEATURES).init(device);
+        // Materialised first: clones of a lazy parameter initialise separately (no tie).
+        let _ = first.weight.val();
         let mut second = LinearConfig::new(FEATURES, FEATURES)
             .with_bias(false)
             .init(device);
@@ -351,20 +353,24 @@ impl<B: Backend> InferenceStep for Tied<B> {
 
 #[test]
 fn a_weight_shared_by_two_layers_is_reduced_and_clipped_once() {
-    // Clipping by the global norm counts every tensor once, whatever the number of replicas:
-    // one replica (no communication) and two replicas must agree.
+    // The reference is plain Burn on one device with PyTorch's global-norm clipping in its
+    // optimizer (every `ParamId` once); burn-ddp on 2 replicas clips the reduced gradients.
     let model = Tied::new(&device());
-    let mut run = Run::new(Some(1), 16, 8 * 16);
-    run.config = DdpConfig::default().with_clip_grad_norm(0.02);
-    let (one, report) = run_training(model.clone(), SgdConfig::new().init(), 0.5, &run).unwrap();
+    let clipped = |max_norm| GlobalNormClipped {
+        inner: SgdConfig::new().init(),
+        max_norm,
+    };
+    let run = Run::new(None, 16, 8 * 16);
+    let (one, _) = run_training(copy_of(&model), clipped(0.02), 0.5, &run).unwrap();
+    let mut ddp = Run::new(Some(2), 16, 8 * 16);
+    ddp.config = DdpConfig::default().with_clip_grad_norm(0.02);
+    let (two, report) = run_training(copy_of(&model), SgdConfig::new().init(), 0.5, &ddp).unwrap();
     assert_eq!(report.unwrap().epochs[0].steps, 8);
-    run.replicas = Some(2);
-    let (two, _) = run_training(model.clone(), SgdConfig::new().init(), 0.5, &run).unwrap();
     let diff = max_relative_difference(&two, &one);
-    assert!(diff <= 1e-5, "1 and 2 replicas differ by {diff}");
+    assert!(diff <= 1e-5, "2 replicas differ from one device by {diff}");
     // Without clipping the result differs: the clipping is active.
-    run.config = DdpConfig::default();
-    let (unclipped, _) = run_training(model, SgdConfig::new().init(), 0.5, &run).unwrap();
+    ddp.config = DdpConfig::default();
+    let (unclipped, _) = run_training(model, SgdConfig::new().init(), 0.5, &ddp).unwrap();
     assert!(max_relative_difference(&unclipped, &two) > 1e-3);
 }
 

@@ -410,3 +410,80 @@ fn a_failure_in_one_rank_s_validation_shard_is_named_and_releases_the_others() {
         started.elapsed()
     );
 }
+
+/// The MLP, whose validation step panics on rank 1's thread (thread ranks and TCP test ranks
+/// are named `burn-ddp-rank-R`).
+#[derive(Module, Debug)]
+pub struct FailsValidatingOnRank1<B: Backend> {
+    inner: Mlp<B>,
+}
+
+impl<B: AutodiffBackend> TrainStep for FailsValidatingOnRank1<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        TrainStep::step(&self.inner, batch)
+    }
+}
+
+impl<B: Backend> InferenceStep for FailsValidatingOnRank1<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        if std::thread::current().name() == Some("burn-ddp-rank-1") {
+            panic!("rank 1 fails while validating");
+        }
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
+#[test]
+fn a_rank_that_fails_alone_while_validating_stops_every_rank_at_once_naming_it() {
+    let model = materialized(FailsValidatingOnRank1 {
+        inner: Mlp::new(&device()),
+    });
+    let config = DdpConfig::default()
+        .with_timeout(Duration::from_secs(60))
+        .with_epoch_end_timeout(Duration::from_secs(60));
+    // Threads (3 ranks: rank 2 finishes its validation normally while rank 1 fails).
+    let started = Instant::now();
+    let mut run = Run::new(Some(3), 12, 4 * 12);
+    run.config = config.clone();
+    match run_training(model.clone(), SgdConfig::new().init(), 0.1, &run) {
+        Err(DdpError::WorkerPanicked { rank, message }) => {
+            assert_eq!(rank, 1, "{message}");
+            assert!(message.contains("fails while validating"), "{message}");
+        }
+        other => panic!("expected rank 1's panic, got {:?}", other.map(|_| ())),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    // TCP ranks: rank 1 fails, and the others learn it from the group, not from a timeout.
+    let started = Instant::now();
+    let results = burn_ddp_tests::over_tcp(3, |_, group| {
+        let mut run = Run::new(None, 12, 4 * 12);
+        run.group = Some(group);
+        run.config = config.clone();
+        run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).map(|_| ())
+    });
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    for (rank, result) in results.into_iter().enumerate() {
+        match (rank, result.unwrap()) {
+            (1, Err(DdpError::WorkerPanicked { rank: 1, .. })) => {}
+            (0 | 2, Err(err)) => assert!(
+                err.to_string().contains("rank 1"),
+                "rank {rank}: the error names rank 1: {err}"
+            ),
+            (rank, other) => panic!("rank {rank}: {:?}", other),
+        }
+    }
+}

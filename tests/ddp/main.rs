@@ -3,12 +3,15 @@
 //! Multi-rank runs are threads of this process (ThreadGroup); every wait is bounded by a timeout.
 
 mod changes;
+mod custom_loop;
 mod equivalence;
 mod failures;
 mod hooks;
+mod in_step;
 mod metrics;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod oracle;
 mod processes;
 mod replicas;
 mod sampling;

@@ -115,11 +115,11 @@ fn validation_over_10_items_gives_single_device_metrics_on_1_2_and_3_ranks() {
     for (ranks, tcp) in [(1, false), (2, false), (3, false), (2, true), (3, true)] {
         VALIDATED.lock().unwrap().clear();
         let (_, valid) = seen(&model, ranks, tcp, run.clone(), 0.0);
-        // Every rank validated its shard of 10 / ranks items (batches of 2), no rank the
-        // whole set.
+        // Every rank validated its run of whole batches (5 batches of 2 split as evenly as
+        // they go, the larger runs first), no rank the whole set.
         let counts = VALIDATED.lock().unwrap().clone();
         for rank in 0..ranks {
-            let shard = 10 / ranks + usize::from(rank < 10 % ranks);
+            let batches = 5 / ranks + usize::from(rank < 5 % ranks);
             let thread = if ranks == 1 && !tcp {
                 // One replica trains on the calling thread.
                 std::thread::current()
@@ -131,7 +131,7 @@ fn validation_over_10_items_gives_single_device_metrics_on_1_2_and_3_ranks() {
             };
             assert_eq!(
                 counts.get(&thread).copied(),
-                Some(shard.div_ceil(2)),
+                Some(batches),
                 "{ranks} ranks (tcp: {tcp}): validation batches per thread {counts:?}"
             );
         }
@@ -150,13 +150,26 @@ fn validation_over_10_items_gives_single_device_metrics_on_1_2_and_3_ranks() {
             .map(|(_, _, n)| n)
             .sum();
         assert_eq!(counted, 10, "{ranks} ranks (tcp: {tcp})");
-        // One item per validation step of the shards, numbered from 1.
-        let steps = valid.iterations.len();
+        // One item per batch of the loader, numbered as one device numbers them, each with
+        // one device's values.
         assert_eq!(
-            valid.iterations,
-            (1..=steps).map(Some).collect::<Vec<_>>(),
+            valid.iterations, single.iterations,
             "{ranks} ranks (tcp: {tcp})"
         );
+        for metric in ["Loss", "Accuracy"] {
+            let (got, want) = (valid.values(metric), single.values(metric));
+            assert_eq!(
+                got.len(),
+                want.len(),
+                "{ranks} ranks (tcp: {tcp}): {metric}"
+            );
+            for (item, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    close(*g, *w, 1e-6),
+                    "{ranks} ranks (tcp: {tcp}): {metric} of item {item}: {g}, one device {w}"
+                );
+            }
+        }
     }
 }
 

@@ -401,27 +401,18 @@ impl Drop for Hosts {
     }
 }
 
-/// Network namespaces, or why there are none. Without them the two-host tests cannot run: under
-/// CI (`BURN_DDP_REQUIRE_NETNS=1`, set by `.ci/run`, which runs as root) that is a failure,
-/// elsewhere (a developer's unprivileged checkout) the test says why and passes.
-fn hosts_or_skip(test: &str) -> Option<Hosts> {
-    match Hosts::create() {
-        Ok(hosts) => Some(hosts),
-        Err(why) if std::env::var("BURN_DDP_REQUIRE_NETNS").is_ok_and(|v| v == "1") => {
-            panic!("{test} needs network namespaces (BURN_DDP_REQUIRE_NETNS=1): {why}")
-        }
-        Err(why) => {
-            eprintln!("skipped: {test} needs network namespaces: {why}");
-            None
-        }
-    }
+/// Two hosts for `test`, or a failure that says why they cannot be made (these tests are
+/// `#[ignore]`d, so `cargo test` lists them as ignored instead of passing them silently; `.ci/run`
+/// runs them as root with `-- --ignored two_hosts`).
+fn hosts(test: &str) -> Hosts {
+    Hosts::create()
+        .unwrap_or_else(|why| panic!("{test} needs network namespaces (root and iproute2): {why}"))
 }
 
 #[test]
-fn a_two_node_job_trains_across_a_link_and_a_cut_link_names_the_lost_peer() {
-    let Some(hosts) = hosts_or_skip("the two-host test") else {
-        return;
-    };
+#[ignore = "needs root and iproute2 (network namespaces); .ci/run runs it"]
+fn two_hosts_train_across_a_link_and_a_cut_link_names_the_lost_peer() {
+    let hosts = hosts("the two-host test");
     // A complete job across the link ...
     let dir = scratch_dir("netns");
     let out = dir.join("params.bin");
@@ -580,13 +571,39 @@ fn a_sigterm_stops_thread_ranks_at_one_step_and_the_resumed_run_matches_the_unin
         1,
         "one step checkpoint"
     );
+    // Resumed into a model initialised from another seed: it ends where the uninterrupted run
+    // ends only if the checkpoint was read.
     let resumed_out = path("resumed.bin");
-    let (code, stderr) = run(&["--checkpoint-dir", &b, "--resume", "--out", &resumed_out]);
+    let (code, stderr) = run(&[
+        "--checkpoint-dir",
+        &b,
+        "--resume",
+        "--init-seed",
+        "99",
+        "--out",
+        &resumed_out,
+    ]);
     assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains("resuming from step checkpoint") && stderr.contains("batch 3 of epoch 1"),
+        "where the run restarted: {stderr}"
+    );
     let straight = read_tensors(Path::new(&straight_out)).unwrap();
     let resumed = read_tensors(Path::new(&resumed_out)).unwrap();
     assert!(!straight.is_empty());
     assert_eq!(resumed, straight, "the resumed run must match bit for bit");
+    // The same run from the other seed without the checkpoint ends elsewhere.
+    let (fresh_out, fresh_dir) = (path("fresh.bin"), path("fresh"));
+    let (code, stderr) = run(&[
+        "--init-seed",
+        "99",
+        "--checkpoint-dir",
+        &fresh_dir,
+        "--out",
+        &fresh_out,
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_ne!(read_tensors(Path::new(&fresh_out)).unwrap(), straight);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -627,21 +644,30 @@ fn processes_stopped_by_sigterm_or_a_crash_resume_to_the_uninterrupted_parameter
         other => panic!("expected the job to stop, got {other:?}"),
     }
     assert_eq!(step_checkpoints(Path::new(&b)).len(), 1);
-    let resumed_out = path("resumed.bin");
-    launch(&config(&[
+    // Resumed into a model initialised from another seed: it must read the checkpoint.
+    let (resumed_out, logs) = (path("resumed.bin"), dir.join("resumed-logs"));
+    let mut resuming = config(&[
         "--checkpoint-dir",
         &b,
         "--resume",
+        "--init-seed",
+        "99",
         "--out",
         &resumed_out,
-    ]))
-    .unwrap();
+    ]);
+    resuming.log_dir = Some(logs.clone());
+    launch(&resuming).unwrap();
+    let log = std::fs::read_to_string(logs.join("rank-0.log")).unwrap_or_default();
+    assert!(
+        log.contains("resuming from step checkpoint") && log.contains("batch 4 of epoch 1"),
+        "where the run restarted: {log}"
+    );
     let resumed = read_tensors(Path::new(&resumed_out)).unwrap();
     assert_eq!(resumed, straight, "resumed after SIGTERM: bit for bit");
 
     // A crash (rank 1 exits at its 5th batch) with a step checkpoint every 2 steps: the
     // restarted group resumes from step 2 mid-epoch and ends where the uninterrupted job does.
-    let (c, crashed_out) = (path("c"), path("crashed.bin"));
+    let (c, crashed_out, logs) = (path("c"), path("crashed.bin"), dir.join("crash-logs"));
     let mut crashing = config(&[
         "--checkpoint-dir",
         &c,
@@ -655,8 +681,14 @@ fn processes_stopped_by_sigterm_or_a_crash_resume_to_the_uninterrupted_parameter
         &crashed_out,
     ]);
     crashing.max_restarts = 1;
+    crashing.log_dir = Some(logs.clone());
     let reports = launch(&crashing).unwrap();
     assert_eq!(reports.len(), 2, "one crash, one restart");
+    let log = std::fs::read_to_string(logs.join("rank-0.log")).unwrap_or_default();
+    assert!(
+        log.contains("resuming from step checkpoint 4 (batch 4 of epoch 1"),
+        "the restart resumed from the last periodic checkpoint: {log}"
+    );
     let crashed = read_tensors(Path::new(&crashed_out)).unwrap();
     assert_eq!(crashed, straight, "resumed after a crash: bit for bit");
     let _ = std::fs::remove_dir_all(dir);
@@ -731,10 +763,9 @@ fn finish_with_code(child: Child, within: Duration) -> (bool, (Option<i32>, Stri
 }
 
 #[test]
-fn an_address_a_peer_cannot_use_is_an_error_within_seconds_naming_rank_address_and_fix() {
-    let Some(hosts) = hosts_or_skip("the unusable-address test") else {
-        return;
-    };
+#[ignore = "needs root and iproute2 (network namespaces); .ci/run runs it"]
+fn two_hosts_an_address_a_peer_cannot_use_is_an_error_within_seconds_naming_rank_address_and_fix() {
+    let hosts = hosts("the unusable-address test");
     // Rank 0 meets the store through its own loopback, so it publishes 127.0.0.1 for its peers;
     // rank 1, on the other host, reaches the store over the link but not that address.
     let port = 29_541;

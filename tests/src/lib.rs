@@ -130,6 +130,31 @@ impl<B: Backend> Mlp<B> {
         self.fc2
             .forward(self.activation.forward(self.fc1.forward(inputs)))
     }
+
+    /// The MLP with its first layer frozen (`Module::no_grad`).
+    pub fn with_first_frozen(self) -> Self {
+        Self {
+            fc1: self.fc1.no_grad(),
+            ..self
+        }
+    }
+
+    /// The MLP with its first layer trainable again.
+    pub fn unfreeze_first(self) -> Self {
+        struct Trainable;
+        impl<B: Backend> burn::module::ModuleMapper<B> for Trainable {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
+                param.set_require_grad(true)
+            }
+        }
+        Self {
+            fc1: self.fc1.map(&mut Trainable),
+            ..self
+        }
+    }
 }
 
 /// The same MLP with one more layer (a replica that differs).
@@ -375,6 +400,15 @@ pub fn max_relative_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     differences.fold(0f32, f32::max)
 }
 
+/// The validation loader of a [`Run`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValidKind {
+    /// A `DistributedDataLoader` of world size 1 without shuffling.
+    Distributed,
+    /// Burn's own `DataLoaderBuilder` loader (what the README tells a Burn user to keep).
+    Plain,
+}
+
 /// How to train in [`run_training`].
 #[derive(Clone)]
 pub struct Run {
@@ -416,6 +450,16 @@ pub struct Run {
     /// Build the strategy with `DdpStrategy::from_env_with` (threads or this process's rank, as
     /// the environment says), with this rendezvous timeout; `replicas` is the thread count.
     pub from_env: Option<std::time::Duration>,
+    /// Build the training sampler with uneven shards (join mode does it anyway).
+    pub uneven_shards: bool,
+    /// Shuffle the training sampler each epoch (default; seeded by `seed`).
+    pub shuffle: bool,
+    /// The validation loader's kind (default: a `DistributedDataLoader`).
+    pub valid: ValidKind,
+    /// Early stopping on the validation loss (epoch mean; no improvement since 1 epoch).
+    pub early_stopping: bool,
+    /// With a recording: top-2 accuracy, precision, recall and F1 besides accuracy and loss.
+    pub all_metrics: bool,
 }
 
 impl Run {
@@ -439,8 +483,24 @@ impl Run {
             valid_batch: 32,
             loader_workers: 0,
             from_env: None,
+            uneven_shards: false,
+            shuffle: true,
+            valid: ValidKind::Distributed,
+            early_stopping: false,
+            all_metrics: false,
         }
     }
+}
+
+/// One item a [`Recording`] renderer saw: its epoch, iteration and numeric metric updates.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SeenItem {
+    /// burn-train's epoch (from 1).
+    pub epoch: usize,
+    /// The item's iteration number.
+    pub iteration: Option<usize>,
+    /// Metric name, the item's value, its count, in the order burn-train sent them.
+    pub metrics: Vec<(String, f64, usize)>,
 }
 
 /// What a [`Recording`] renderer saw of one split (training or validation).
@@ -450,6 +510,10 @@ pub struct SplitSeen {
     pub iterations: Vec<Option<usize>>,
     /// Every numeric metric update: metric name, the item's value, its count (samples).
     pub updates: Vec<(String, f64, usize)>,
+    /// Every rendered item with its updates.
+    pub items: Vec<SeenItem>,
+    /// Updates not yet rendered (they come before their item's render).
+    pending: Vec<(String, f64, usize)>,
 }
 
 impl SplitSeen {
@@ -464,6 +528,29 @@ impl SplitSeen {
                 (s + v * *n as f64, c + n)
             });
         sum / count.max(1) as f64
+    }
+
+    /// A metric's epoch value (the mean over the epoch's items, weighted by their counts, as
+    /// burn-train's event store aggregates it), if the epoch has items.
+    pub fn epoch_mean(&self, name: &str, epoch: usize) -> Option<f64> {
+        let (sum, count) = self
+            .items
+            .iter()
+            .filter(|i| i.epoch == epoch)
+            .flat_map(|i| i.metrics.iter().filter(|(n, _, _)| n == name))
+            .fold((0.0, 0usize), |(s, c), (_, v, n)| {
+                (s + v * *n as f64, c + n)
+            });
+        (count > 0).then(|| sum / count as f64)
+    }
+
+    fn render(&mut self, item: &TrainingProgress) {
+        self.iterations.push(item.iteration);
+        self.items.push(SeenItem {
+            epoch: item.global_progress.items_processed,
+            iteration: item.iteration,
+            metrics: std::mem::take(&mut self.pending),
+        });
     }
 
     /// The item values of a metric, in order.
@@ -507,7 +594,8 @@ impl Recording {
             };
             if let Ok(mut seen) = self.seen.lock() {
                 let split = if valid { &mut seen.1 } else { &mut seen.0 };
-                split.updates.push((name, value, count));
+                split.updates.push((name.clone(), value, count));
+                split.pending.push((name, value, count));
             }
         }
     }
@@ -522,12 +610,12 @@ impl MetricsRendererTraining for Recording {
     }
     fn render_train(&mut self, item: TrainingProgress, _progress: Vec<ProgressType>) {
         if let Ok(mut seen) = self.seen.lock() {
-            seen.0.iterations.push(item.iteration);
+            seen.0.render(&item);
         }
     }
     fn render_valid(&mut self, item: TrainingProgress, _progress: Vec<ProgressType>) {
         if let Ok(mut seen) = self.seen.lock() {
-            seen.1.iterations.push(item.iteration);
+            seen.1.render(&item);
         }
     }
 }
@@ -595,9 +683,10 @@ where
         + core::fmt::Display
         + 'static,
     M::InnerModule: InferenceStep<Output = ClassificationOutput<NdArray>>,
+    <M::InnerModule as InferenceStep>::Input: Clone + core::fmt::Debug,
     O: Optimizer<M, TestBackend> + 'static,
     S: LrScheduler + 'static,
-    I: Send + Sync + Clone + 'static,
+    I: Send + Sync + Clone + core::fmt::Debug + 'static,
     Bt: Batcher<TestBackend, I, <M as TrainStep>::Input>
         + Batcher<NdArray, I, <M::InnerModule as InferenceStep>::Input>
         + Clone
@@ -614,7 +703,10 @@ where
     };
     let samples = train.len();
     let mut sampler = DistributedSampler::new(samples, world_size)?.with_seed(run.seed);
-    if run.config.uneven_inputs() == UnevenInputs::Join {
+    if !run.shuffle {
+        sampler = sampler.without_shuffle();
+    }
+    if run.config.uneven_inputs() == UnevenInputs::Join || run.uneven_shards {
         sampler = sampler.with_uneven_shards();
     }
     let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> = Arc::new(
@@ -629,15 +721,19 @@ where
         // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows burn-train's
         // epoch, which `checkpoint(epoch)` sets.
     );
-    let valid_sampler = DistributedSampler::new(valid.len(), 1)?.without_shuffle();
     let valid_loader: Arc<dyn DataLoader<NdArray, <M::InnerModule as InferenceStep>::Input>> =
-        Arc::new(DistributedDataLoader::new(
-            Arc::new(InMemDataset::new(valid)),
-            batcher,
-            valid_sampler,
-            run.valid_batch,
-            device,
-        )?);
+        match run.valid {
+            ValidKind::Distributed => Arc::new(DistributedDataLoader::new(
+                Arc::new(InMemDataset::new(valid.clone())),
+                batcher,
+                DistributedSampler::new(valid.len(), 1)?.without_shuffle(),
+                run.valid_batch,
+                device,
+            )?),
+            ValidKind::Plain => burn::data::dataloader::DataLoaderBuilder::new(batcher)
+                .batch_size(run.valid_batch)
+                .build(InMemDataset::new(valid)),
+        };
 
     let learner = Learner::new(model, optimizer, scheduler);
     let directory = run.artifacts.clone().unwrap_or_else(|| {
@@ -653,14 +749,36 @@ where
         .with_metric_logger(InMemoryMetricLogger::new())
         .with_application_logger(None);
     training = match &run.recording {
-        Some(recording) => training
-            .metrics((
-                burn::train::metric::AccuracyMetric::new(),
-                burn::train::metric::LossMetric::new(),
-            ))
-            .renderer(recording.clone()),
+        Some(recording) => {
+            use burn::train::metric::{
+                AccuracyMetric, ClassReduction, FBetaScoreMetric, LossMetric, PrecisionMetric,
+                RecallMetric, TopKAccuracyMetric,
+            };
+            let training = training.metrics((AccuracyMetric::new(), LossMetric::new()));
+            let training = if run.all_metrics {
+                training.metrics((
+                    TopKAccuracyMetric::new(2),
+                    PrecisionMetric::multiclass(1, ClassReduction::Macro),
+                    RecallMetric::multiclass(1, ClassReduction::Micro),
+                    FBetaScoreMetric::multiclass(1.0, 1, ClassReduction::Macro),
+                ))
+            } else {
+                training
+            };
+            training.renderer(recording.clone())
+        }
         None => training.renderer(SilentRenderer),
     };
+    if run.early_stopping {
+        use burn::train::metric::store::{Aggregate, Direction, Split};
+        training = training.early_stopping(burn::train::MetricEarlyStoppingStrategy::new(
+            &burn::train::metric::LossMetric::<TestBackend>::new(),
+            Aggregate::Mean,
+            Direction::Lowest,
+            Split::Valid,
+            burn::train::StoppingCondition::NoImprovementSince { n_epochs: 1 },
+        ));
+    }
     if let Some(k) = run.grad_accumulation {
         training = training.grads_accumulation(k);
     }
@@ -702,6 +820,103 @@ where
     let handle = strategy.clone();
     let result = training.launch_ddp(learner, strategy)?;
     Ok((float_tensors(&result.model), Some(handle.report())))
+}
+
+/// `torch.nn.utils.clip_grad_norm_` on `grads` (the gradients of `module`'s parameters, each
+/// `ParamId` once): what plain Burn, whose optimizers clip each parameter on its own, is given as
+/// the reference of burn-ddp's `DdpConfig::with_clip_grad_norm`.
+pub fn clip_global_norm<M: burn::module::AutodiffModule<TestBackend>>(
+    module: &M,
+    mut grads: burn::optim::GradientsParams,
+    max_norm: f32,
+) -> burn::optim::GradientsParams {
+    use burn::module::{ModuleVisitor, Param, ParamId};
+    type Inner = burn::backend::NdArray;
+    #[derive(Default)]
+    struct Ids(Vec<(ParamId, usize)>);
+    impl<B: Backend> ModuleVisitor<B> for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !self.0.iter().any(|(id, _)| *id == param.id) {
+                self.0.push((param.id, D));
+            }
+        }
+    }
+    let mut ids = Ids::default();
+    module.visit(&mut ids);
+    fn squares<const D: usize>(grads: &burn::optim::GradientsParams, id: ParamId) -> f64 {
+        grads.get::<Inner, D>(id).map_or(0.0, |g| {
+            g.into_data()
+                .convert::<f64>()
+                .to_vec::<f64>()
+                .unwrap_or_default()
+                .iter()
+                .map(|v| v * v)
+                .sum()
+        })
+    }
+    fn scale<const D: usize>(grads: &mut burn::optim::GradientsParams, id: ParamId, by: f32) {
+        if let Some(g) = grads.remove::<Inner, D>(id) {
+            grads.register::<Inner, D>(id, g.mul_scalar(by));
+        }
+    }
+    let total: f64 = ids
+        .0
+        .iter()
+        .map(|&(id, d)| match d {
+            1 => squares::<1>(&grads, id),
+            2 => squares::<2>(&grads, id),
+            4 => squares::<4>(&grads, id),
+            _ => 0.0,
+        })
+        .sum();
+    let coefficient = max_norm as f64 / (total.sqrt() + 1e-6);
+    if coefficient < 1.0 {
+        for &(id, d) in &ids.0 {
+            match d {
+                1 => scale::<1>(&mut grads, id, coefficient as f32),
+                2 => scale::<2>(&mut grads, id, coefficient as f32),
+                4 => scale::<4>(&mut grads, id, coefficient as f32),
+                _ => {}
+            }
+        }
+    }
+    grads
+}
+
+/// An optimizer that clips the gradients by their global norm ([`clip_global_norm`]) before
+/// `O`'s step: plain Burn with PyTorch's clipping, the reference of burn-ddp's.
+#[derive(Clone)]
+pub struct GlobalNormClipped<O> {
+    /// The optimizer.
+    pub inner: O,
+    /// The largest global 2-norm.
+    pub max_norm: f32,
+}
+
+impl<M, O> Optimizer<M, TestBackend> for GlobalNormClipped<O>
+where
+    M: AutodiffModule<TestBackend>,
+    O: Optimizer<M, TestBackend>,
+{
+    type Record = O::Record;
+
+    fn step(&mut self, lr: f64, module: M, grads: burn::optim::GradientsParams) -> M {
+        let grads = clip_global_norm(&module, grads, self.max_norm);
+        self.inner.step(lr, module, grads)
+    }
+
+    fn step_multi(&mut self, lr: f64, module: M, grads: burn::optim::MultiGradientsParams) -> M {
+        self.inner.step_multi(lr, module, grads)
+    }
+
+    fn to_record(&self) -> Self::Record {
+        self.inner.to_record()
+    }
+
+    fn load_record(mut self, record: Self::Record) -> Self {
+        self.inner = self.inner.load_record(record);
+        self
+    }
 }
 
 /// A file recorder that waits `delay` before every write (a slow disk), then writes with `inner`.
@@ -816,6 +1031,64 @@ pub fn with_values<B: Backend, M: Module<B>>(model: M, values: &[Vec<f32>]) -> M
     let model = model.map(&mut set);
     assert_eq!(set.next, values.len(), "number of tensors");
     model
+}
+
+/// `model` with every parameter and frozen weight set to values that depend only on `seed` and
+/// the tensor's place (buffers, e.g. BatchNorm's statistics, keep their initial values): two
+/// models of one type built anywhere start alike, without sharing a random generator. Places with
+/// one `ParamId` get one tensor (a shared weight stays shared).
+pub fn deterministic<M: Module<TestBackend>>(model: M, seed: u64) -> M {
+    use std::any::Any;
+    use std::collections::HashMap;
+    struct Fill {
+        seed: u64,
+        buffers: Vec<bool>,
+        index: usize,
+        by_id: HashMap<burn::module::ParamId, Box<dyn Any>>,
+    }
+    impl burn::module::ModuleMapper<TestBackend> for Fill {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<TestBackend, D>>,
+        ) -> Param<Tensor<TestBackend, D>> {
+            let index = self.index;
+            self.index += 1;
+            if self.buffers.get(index).copied().unwrap_or(false) {
+                return param;
+            }
+            let (id, tensor, mapper) = param.consume();
+            if let Some(shared) = self
+                .by_id
+                .get(&id)
+                .and_then(|t| t.downcast_ref::<Tensor<TestBackend, D>>())
+            {
+                return Param::from_mapped_value(id, shared.clone(), mapper);
+            }
+            let shape = tensor.shape();
+            let n = shape.num_elements();
+            let fan = (n as f32).sqrt().max(1.0);
+            let values: Vec<f32> = (0..n)
+                .map(|j| {
+                    let x = (self.seed ^ ((index as u64) << 40) ^ j as u64)
+                        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 / fan
+                })
+                .collect();
+            let mut value = Tensor::from_data(TensorData::new(values, shape), &tensor.device());
+            if tensor.is_require_grad() {
+                value = value.require_grad();
+            }
+            self.by_id.insert(id, Box::new(value.clone()));
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    let buffers = burn_ddp::advanced::ReplicaLayout::of(&model).buffer_mask();
+    model.map(&mut Fill {
+        seed,
+        buffers,
+        index: 0,
+        by_id: HashMap::new(),
+    })
 }
 
 /// A freshly initialised model whose lazily created parameters are materialised, so clones share
@@ -967,11 +1240,14 @@ pub fn train_example_cnn_for(
         epochs,
         artifacts,
         None,
+        11,
     )
 }
 
 /// [`train_example_cnn_for`] with the strategy built by `DdpStrategy::from_env_with` (rendezvous
-/// timeout `timeout`): threads without launcher variables, this process's rank under one.
+/// timeout `timeout`): threads without launcher variables, this process's rank under one; the
+/// CNN's initial values from `init_seed`.
+#[allow(clippy::too_many_arguments)]
 pub fn train_example_cnn_from_env(
     replicas: usize,
     steps: usize,
@@ -980,6 +1256,7 @@ pub fn train_example_cnn_from_env(
     epochs: usize,
     artifacts: Option<std::path::PathBuf>,
     timeout: std::time::Duration,
+    init_seed: u64,
 ) -> Result<Trained, DdpError> {
     // The job's world size, from the environment as user code asks it (threads: `replicas`).
     let world_size = match burn_ddp::advanced::Topology::from_env()? {
@@ -996,6 +1273,7 @@ pub fn train_example_cnn_from_env(
         epochs,
         artifacts,
         Some(timeout),
+        init_seed,
     )
 }
 
@@ -1010,6 +1288,7 @@ fn train_example_cnn_run(
     epochs: usize,
     artifacts: Option<std::path::PathBuf>,
     from_env: Option<std::time::Duration>,
+    init_seed: u64,
 ) -> Result<Trained, DdpError> {
     let global_batch = per_rank_batch * world_size;
     let mut run = Run::new(Some(replicas), global_batch, steps * global_batch);
@@ -1020,7 +1299,7 @@ fn train_example_cnn_run(
     run.epochs = epochs;
     run.artifacts = artifacts;
     run_training_on(
-        ExampleCnn::<TestBackend>::deterministic(&device(), 11),
+        ExampleCnn::<TestBackend>::deterministic(&device(), init_seed),
         burn::optim::AdamConfig::new().init(),
         1e-3,
         synthetic_images(steps * global_batch, 3),

@@ -161,6 +161,9 @@ pub struct AttemptReport {
     pub other_node: Option<u32>,
     /// The signal (SIGINT, SIGTERM, SIGHUP) that stopped the launcher, if any.
     pub interrupted: Option<i32>,
+    /// Local workers that exited with code 0 while others were still running, before any
+    /// failure: `(global rank, pid)`.
+    pub left_early: Vec<(usize, u32)>,
 }
 
 impl AttemptReport {
@@ -304,12 +307,17 @@ fn run_job(config: &LaunchConfig, server: Option<StoreServer>) -> Result<Vec<Att
             }
             continue;
         }
+        let left_early = reports
+            .last()
+            .map(|r| r.left_early.iter().map(|&(rank, _)| rank).collect())
+            .unwrap_or_default();
         return Err(match failure {
             Failure::Worker(rank, pid, how) => DdpError::WorkerExited {
                 rank,
                 pid,
                 how: how.to_string(),
                 attempts: attempt + 1,
+                left_early,
             },
             Failure::OtherNode(round) => DdpError::Launch(format!(
                 "the job failed on another node in round {round} and no restart is left"
@@ -356,6 +364,36 @@ mod tests {
             );
         }
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_rank_that_exited_0_while_its_peers_trained_is_named_with_their_failure() {
+        // Rank 1 ends at once with code 0 (its loop ended early); rank 0 then fails, as a rank
+        // waiting for a peer that left does.
+        let config = sh("if [ \"$RANK\" = 1 ]; then exit 0; fi; sleep 1; exit 1", 2);
+        match launch(&config).unwrap_err() {
+            DdpError::WorkerExited {
+                rank, left_early, ..
+            } => {
+                assert_eq!((rank, left_early.clone()), (0, vec![1]));
+                let message = DdpError::WorkerExited {
+                    rank,
+                    pid: 0,
+                    how: "exited with code 1".into(),
+                    attempts: 1,
+                    left_early,
+                }
+                .to_string();
+                assert!(
+                    message.contains("rank 1 had exited with code 0"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected WorkerExited, got {other}"),
+        }
+        // Workers that all finish are no failure, and nobody left early.
+        let reports = launch(&sh("if [ \"$RANK\" = 1 ]; then exit 0; fi; sleep 1", 2)).unwrap();
+        assert!(reports[0].left_early.is_empty());
     }
 
     #[test]

@@ -134,6 +134,7 @@ pub(super) fn run_attempt(
 
     let mut first_failure = None;
     let mut interrupted = None;
+    let mut left_early: Vec<(usize, u32)> = Vec::new();
     let mut last_round_check = Instant::now();
     loop {
         let mut failed_now = Vec::new();
@@ -167,10 +168,31 @@ pub(super) fn run_attempt(
             };
             (cause, *rank)
         });
+        // A worker that finished while others still run: fine at the very end of a job, the
+        // likely cause when its peers then fail (they wait for a rank that left).
+        if first_failure.is_none() && workers.iter().any(|w| w.exit.is_none()) {
+            for worker in workers
+                .iter()
+                .filter(|w| w.exit.is_some_and(|e| e.success()))
+            {
+                let id = (worker.rank, worker.child.id());
+                if !left_early.contains(&id) {
+                    left_early.push(id);
+                }
+            }
+        }
         if first_failure.is_none()
             && let Some(&(rank, pid, exit)) = failed_now.first()
         {
-            eprintln!("burn-ddp: rank {rank} (pid {pid}) {exit}; stopping the other ranks");
+            let early: Vec<usize> = left_early.iter().map(|&(rank, _)| rank).collect();
+            let before = match early.as_slice() {
+                [] => String::new(),
+                early => format!(
+                    " (rank(s) {early:?} had exited with code 0 before, while their peers were \
+                     still training)"
+                ),
+            };
+            eprintln!("burn-ddp: rank {rank} (pid {pid}) {exit}{before}; stopping the other ranks");
             first_failure = Some(Failure::Worker(rank, pid, exit));
         }
         if interrupted.is_none()
@@ -218,6 +240,12 @@ pub(super) fn run_attempt(
         other_node: match first_failure {
             Some(Failure::OtherNode(round)) => Some(round),
             _ => None,
+        },
+        // Only what preceded a failure is worth reporting.
+        left_early: if first_failure.is_some() {
+            left_early
+        } else {
+            Vec::new()
         },
     };
     for worker in workers {

@@ -30,8 +30,8 @@ pub(super) struct DevicePhase<B: Backend> {
     reduced: Vec<Tensor<B, 1>>,
     /// Per bucket with values: this rank's NaN probe before the all-reduce.
     local_probes: Vec<Tensor<B, 1>>,
-    /// Whether the first bucket carries control words.
-    control: bool,
+    /// The first bucket's control words (0: it carries none).
+    control_len: usize,
 }
 
 /// What one read of a [`DevicePhase`] brings to the host.
@@ -55,7 +55,7 @@ impl Reducer {
         layout: &BucketLayout,
         specs: &[TensorSpec],
         taken: Gradients<B>,
-        control: Option<Control>,
+        control: Option<&Control>,
         options: &ReduceOptions,
         device: &B::Device,
     ) -> Result<DevicePhase<B>> {
@@ -159,7 +159,7 @@ impl Reducer {
         Ok(DevicePhase {
             reduced,
             local_probes,
-            control: control.is_some(),
+            control_len: control.map_or(0, Control::len),
         })
     }
 
@@ -276,8 +276,9 @@ impl<B: Backend> DevicePhase<B> {
                 probe.push(r.clone().slice(b.numel..b.numel + b.params.len()));
             }
         }
-        let control_len = if self.control { Control::LEN } else { 0 };
-        if let (true, Some(first), Some(r)) = (self.control, buckets.first(), self.reduced.first())
+        let control_len = self.control_len;
+        if let (true, Some(first), Some(r)) =
+            (control_len > 0, buckets.first(), self.reduced.first())
         {
             let at = first.numel + first.params.len();
             probe.push(r.clone().slice(at..at + control_len));
@@ -324,7 +325,7 @@ impl<B: Backend> DevicePhase<B> {
         let (checks, local) = rest.split_at(rest.len() - local_count);
         Ok(DeviceRead {
             flags: flags.to_vec(),
-            control: Control::from_words(control),
+            control: Control::from_words(control, control_len.saturating_sub(Control::len_with(0))),
             checks: checks.to_vec(),
             local_non_finite: local.iter().any(|v| !v.is_finite()),
         })

@@ -62,7 +62,7 @@ impl Reducer {
         specs: &[TensorSpec],
         taken: Gradients<B>,
         mut buffers: Vec<Vec<f32>>,
-        control: Option<Control>,
+        control: Option<&Control>,
         options: &ReduceOptions,
     ) -> Result<HostPhase> {
         let started = Instant::now();
@@ -184,10 +184,10 @@ impl Reducer {
 }
 
 impl HostPhase {
-    /// The reduced control words.
-    pub fn control(&self, layout: &BucketLayout) -> Option<Control> {
+    /// The reduced control words, with `caller` words of the caller's.
+    pub fn control(&self, layout: &BucketLayout, caller: usize) -> Option<Control> {
         let at = Tail::of(layout).control();
-        Control::from_words(self.buffers.first()?.get(at..)?)
+        Control::from_words(self.buffers.first()?.get(at..)?, caller)
     }
 
     /// What the reduced values look like, bucket by bucket.

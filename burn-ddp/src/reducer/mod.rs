@@ -44,7 +44,7 @@ mod options;
 
 pub use compress::GradientCompression;
 pub use layout::{Bucket, BucketLayout};
-pub use options::{ReduceOptions, ReduceOutcome, StopVote};
+pub use options::{ReduceOptions, ReduceOutcome};
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -249,7 +249,7 @@ impl Reducer {
                 return Err(self.structure_error(step, replica, grads.len() - known)?);
             }
             let mut outcome = self.local_checks::<B>(grads, options);
-            outcome.stop = options.stop;
+            outcome.words = options.words.clone();
             return Ok(outcome);
         }
 
@@ -323,15 +323,13 @@ impl Reducer {
         let control = Control {
             trainable_changed: f32::from(u8::from(changes.trainable_changed)),
             structure_changed: f32::from(u8::from(changes.structure_changed || unknown > 0)),
-            stop: f32::from(u8::from(options.stop.interrupt)),
-            signal: f32::from(u8::from(options.stop.signal)),
-            out_of_data: f32::from(u8::from(options.stop.out_of_data)),
+            words: options.words.clone(),
         };
         let on_device = self.group.reduces_device_tensors();
 
         let first = if on_device {
             let phase =
-                self.reduce_device::<B>(layout, params, taken, Some(control), options, device)?;
+                self.reduce_device::<B>(layout, params, taken, Some(&control), options, device)?;
             let read = phase.read(layout, options, rank)?;
             Phase::Device(phase, read)
         } else {
@@ -341,11 +339,13 @@ impl Reducer {
                 params,
                 taken,
                 buffers,
-                Some(control),
+                Some(&control),
                 options,
             )?)
         };
-        let reduced_control = first.control(layout).unwrap_or_default();
+        let reduced_control = first
+            .control(layout, options.words.len())
+            .unwrap_or_default();
         if reduced_control.structure_changed > 0.0 {
             return Err(self.structure_error(changes.step, replica, unknown)?);
         }
@@ -449,12 +449,7 @@ impl Reducer {
         }
         let verdict = Verdict::of(observed, options);
         let mut outcome = ReduceOutcome {
-            // Reduced flags: positive when any rank voted.
-            stop: StopVote {
-                interrupt: reduced_control.stop > 0.0,
-                signal: reduced_control.signal > 0.0,
-                out_of_data: reduced_control.out_of_data > 0.0,
-            },
+            words: reduced_control.words,
             local_non_finite: options.check_finite && local_non_finite,
             non_finite: verdict.non_finite,
             grad_norm: verdict.norm,
@@ -626,10 +621,11 @@ enum Phase<B: Backend> {
 }
 
 impl<B: Backend> Phase<B> {
-    fn control(&self, layout: &BucketLayout) -> Option<Control> {
+    /// The reduced control words, with `caller` words of the caller's.
+    fn control(&self, layout: &BucketLayout, caller: usize) -> Option<Control> {
         match self {
-            Phase::Host(host) => host.control(layout),
-            Phase::Device(_, read) => read.control,
+            Phase::Host(host) => host.control(layout, caller),
+            Phase::Device(_, read) => read.control.clone(),
         }
     }
 }

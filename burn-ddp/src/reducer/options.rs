@@ -1,63 +1,52 @@
-//! What a reduction takes and gives ([`ReduceOptions`], [`ReduceOutcome`], [`StopVote`]), and the
-//! control words that carry a step's votes and layout changes in its first bucket.
+//! What a reduction takes and gives ([`ReduceOptions`], [`ReduceOutcome`]), and the control words
+//! that carry a step's layout changes and the caller's words in its first bucket.
 
 use burn::optim::GradientsParams;
 
 use crate::group::ReduceOp;
 
-/// The words the first bucket of every step carries after its presence flags. Summed (or
-/// averaged) over the ranks, a word is positive when any rank set it.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// The words the first bucket of every step carries after its presence flags: the reducer's own
+/// two (did the model change) and the caller's ([`ReduceOptions::words`]). Summed (or averaged)
+/// over the ranks, a word is positive when any rank set it.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Control {
     /// This rank's trainable tensors differ from the agreed layout (frozen or unfrozen).
     pub(super) trainable_changed: f32,
     /// This rank's model tensors differ from the agreed layout (added, removed, replaced), or it
     /// has gradients for tensors its model does not train.
     pub(super) structure_changed: f32,
-    /// This rank's [`StopVote::interrupt`].
-    pub(super) stop: f32,
-    /// This rank's [`StopVote::signal`].
-    pub(super) signal: f32,
-    /// This rank's [`StopVote::out_of_data`].
-    pub(super) out_of_data: f32,
+    /// The caller's words.
+    pub(super) words: Vec<f32>,
 }
 
 impl Control {
-    /// Number of control words.
-    pub(crate) const LEN: usize = 5;
+    /// The reducer's own words.
+    const OWN: usize = 2;
 
+    /// Number of words, the caller's included.
     pub(super) fn len(&self) -> usize {
-        Self::LEN
+        Self::OWN + self.words.len()
     }
 
-    pub(super) fn words(&self) -> [f32; Self::LEN] {
-        [
-            self.trainable_changed,
-            self.structure_changed,
-            self.stop,
-            self.signal,
-            self.out_of_data,
-        ]
+    /// Number of words of a control with `caller` words of the caller's.
+    pub(super) fn len_with(caller: usize) -> usize {
+        Self::OWN + caller
     }
 
-    pub(super) fn from_words(words: &[f32]) -> Option<Self> {
-        match words {
-            [
-                trainable_changed,
-                structure_changed,
-                stop,
-                signal,
-                out_of_data,
-                ..,
-            ] => Some(Self {
-                trainable_changed: *trainable_changed,
-                structure_changed: *structure_changed,
-                stop: *stop,
-                signal: *signal,
-                out_of_data: *out_of_data,
-            }),
-            _ => None,
-        }
+    pub(super) fn words(&self) -> Vec<f32> {
+        let mut words = vec![self.trainable_changed, self.structure_changed];
+        words.extend_from_slice(&self.words);
+        words
+    }
+
+    /// The control of `caller` caller's words at the front of `words`.
+    pub(super) fn from_words(words: &[f32], caller: usize) -> Option<Self> {
+        let words = words.get(..Self::len_with(caller))?;
+        Some(Self {
+            trainable_changed: words[0],
+            structure_changed: words[1],
+            words: words[Self::OWN..].to_vec(),
+        })
     }
 }
 
@@ -74,9 +63,13 @@ pub struct ReduceOptions {
     pub clip_norm: Option<f32>,
     /// Check the gradients for NaN and infinity (before and after the all-reduce).
     pub check_finite: bool,
-    /// This rank's vote to stop, carried by the step's first bucket (one collective for the
-    /// gradients and the vote); read every rank's in [`ReduceOutcome::stop`]. Default: none.
-    pub stop: StopVote,
+    /// Words of the caller's, carried by the step's first bucket after the gradients (so they
+    /// cost no collective of their own) and read back, reduced, in [`ReduceOutcome::words`]:
+    /// votes and checks that every rank must see alike. Keep them small non-negative numbers
+    /// (0 or 1): they travel on the bucket's wire (16-bit with compression) and are summed, or
+    /// averaged, over the ranks, so after the reduction a word is positive exactly when some
+    /// rank's was. Every rank must pass the same number of words. Default: none.
+    pub words: Vec<f32>,
 }
 
 impl Default for ReduceOptions {
@@ -86,30 +79,8 @@ impl Default for ReduceOptions {
             op: ReduceOp::Avg,
             clip_norm: None,
             check_finite: false,
-            stop: StopVote::default(),
+            words: Vec::new(),
         }
-    }
-}
-
-/// A rank's request to stop training, carried by a step's gradient all-reduce (two control words
-/// of the first bucket) so that no separate collective is needed to agree on it: every rank
-/// learns in that step's [`ReduceOutcome::stop`] whether any rank asked.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StopVote {
-    /// burn-train's `Interrupter` asked to stop (a user's or a callback's stop).
-    pub interrupt: bool,
-    /// A stop signal (SIGTERM, SIGINT, SIGHUP) arrived: stop and write a step checkpoint.
-    pub signal: bool,
-    /// The rank has no batch left: it takes part in the step with no gradients (the same
-    /// collectives as every other rank, so even a group that cannot tell calls apart, NCCL,
-    /// learns it), and the ranks compare their batch counts.
-    pub out_of_data: bool,
-}
-
-impl StopVote {
-    /// Whether any stop was asked for (the end of the data included).
-    pub fn any(&self) -> bool {
-        self.interrupt || self.signal || self.out_of_data
     }
 }
 
@@ -127,8 +98,8 @@ pub struct ReduceOutcome {
     pub grad_norm: Option<f64>,
     /// The factor the gradients were multiplied by, when they were clipped.
     pub clip_scale: Option<f32>,
-    /// Whether any rank voted to stop in this step ([`ReduceOptions::stop`]).
-    pub stop: StopVote,
+    /// The callers' [`ReduceOptions::words`], reduced over the ranks (the same on every rank).
+    pub words: Vec<f32>,
 }
 
 impl ReduceOutcome {
@@ -139,7 +110,7 @@ impl ReduceOutcome {
             local_non_finite: false,
             grad_norm: None,
             clip_scale: None,
-            stop: StopVote::default(),
+            words: Vec::new(),
         }
     }
 }

@@ -566,6 +566,7 @@ impl<B: Backend> ModuleVisitor<B> for SpecCollector {
     }
 }
 
+mod ties;
 mod values;
 
 pub use values::{
@@ -573,7 +574,8 @@ pub use values::{
     verify_values_across,
 };
 pub(crate) use values::{
-    average_selected, broadcast_selected, fnv, restore_selected, snapshot_selected,
+    average_selected, broadcast_autodiff_module, broadcast_selected, fingerprint_of, fnv,
+    restore_selected, snapshot_selected,
 };
 
 #[cfg(test)]

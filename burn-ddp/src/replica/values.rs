@@ -3,12 +3,15 @@
 //! of buffers, and value fingerprints with the cross-rank check. The layout these walk (which
 //! tensors, of which kind) is in the parent module.
 
+use std::any::Any;
+use std::collections::HashMap;
 use std::time::Duration;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::backend::Backend;
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
+use super::ties::{NO_TIES, Ties};
 use super::*;
 use crate::group::ProcessGroup;
 use crate::{DdpError, Result};
@@ -82,22 +85,29 @@ impl<B: Backend> ModuleVisitor<B> for Pack<'_> {
 /// Replaces the selected float tensors by the next words of `words` (as packed by [`Pack`] with
 /// the same encoding and selection), keeping shape, device, dtype and whether it requires
 /// gradients.
+/// A place that shares an earlier place's tensor ([`Ties`]) gets the tensor written there, so the
+/// tie survives (its words are still consumed: the sender packs every place).
 struct Unpack<'a> {
     words: &'a [f32],
     offset: usize,
     encoding: Encoding,
     select: Selection<'a>,
     visited: usize,
+    ties: &'a Ties,
+    /// The tensors written at places that a later place shares (a `Tensor<B, D>`, boxed).
+    written: HashMap<usize, Box<dyn Any>>,
 }
 
 impl<'a> Unpack<'a> {
-    fn new(words: &'a [f32], encoding: Encoding, select: Selection<'a>) -> Self {
+    fn new(words: &'a [f32], encoding: Encoding, select: Selection<'a>, ties: &'a Ties) -> Self {
         Self {
             words,
             offset: 0,
             encoding,
             select,
             visited: 0,
+            ties,
+            written: HashMap::new(),
         }
     }
 }
@@ -131,9 +141,20 @@ impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
                 TensorData::new(values, shape).convert_dtype(dtype)
             }
         };
+        if let Some(earlier) = self.ties.of_place(index)
+            && let Some(shared) = self
+                .written
+                .get(&earlier)
+                .and_then(|t| t.downcast_ref::<Tensor<B, D>>())
+        {
+            return Param::from_mapped_value(id, shared.clone(), mapper);
+        }
         let mut value = Tensor::<B, D>::from_data(data, &tensor.device());
         if tensor.is_require_grad() {
             value = value.require_grad();
+        }
+        if self.ties.any() {
+            self.written.insert(index, Box::new(value.clone()));
         }
         Param::from_mapped_value(id, value, mapper)
     }
@@ -147,6 +168,7 @@ fn broadcast_tensors<B: Backend, M: Module<B>>(
     root: usize,
     timeout: Duration,
     select: Selection<'_>,
+    ties: &Ties,
 ) -> Result<M> {
     let mut pack = Pack::new(Encoding::Bytes, select);
     module.visit(&mut pack);
@@ -155,7 +177,7 @@ fn broadcast_tensors<B: Backend, M: Module<B>>(
     if group.rank() == root {
         return Ok(module);
     }
-    let mut unpack = Unpack::new(&words, Encoding::Bytes, select);
+    let mut unpack = Unpack::new(&words, Encoding::Bytes, select, ties);
     Ok(module.map(&mut unpack))
 }
 
@@ -222,7 +244,7 @@ pub(crate) fn average_selected<B: Backend, M: Module<B>>(
     }
     let mut words = pack.words;
     group.all_reduce(&mut words, crate::group::ReduceOp::Avg, timeout)?;
-    let mut unpack = Unpack::new(&words, Encoding::Values, Some(&chosen));
+    let mut unpack = Unpack::new(&words, Encoding::Values, Some(&chosen), &NO_TIES);
     Ok(module.map(&mut unpack))
 }
 
@@ -233,6 +255,11 @@ pub(crate) fn average_selected<B: Backend, M: Module<B>>(
 /// Call [`ReplicaLayout::verify_across`] first: the broadcast relies on every rank having the same
 /// layout.
 ///
+/// Every place of the module tree gets a tensor of its own on the receiving ranks: a weight shared
+/// by two layers of an autodiff model is no longer shared there (its gradients would then differ
+/// from rank 0's). [`DistributedDataParallel`](crate::DistributedDataParallel) keeps such ties
+/// (its `new` and `broadcast_module`).
+///
 /// # Errors
 /// The broadcast's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], [`DdpError::Mismatch`]
 /// when the ranks' tensors differ in size, ...).
@@ -242,7 +269,24 @@ pub fn broadcast_module<B: Backend, M: Module<B>>(
     root: usize,
     timeout: Duration,
 ) -> Result<M> {
-    broadcast_tensors(module, group, root, timeout, None)
+    broadcast_tensors(module, group, root, timeout, None, &Ties::none())
+}
+
+/// [`broadcast_module`] for a module on an autodiff backend, keeping its shared weights shared:
+/// a place that holds the same tensor (autodiff node) as an earlier one on this rank gets the same
+/// new tensor, so autodiff still adds the gradients of both uses, as on rank 0.
+pub(crate) fn broadcast_autodiff_module<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    group: &dyn ProcessGroup,
+    root: usize,
+    timeout: Duration,
+) -> Result<M> {
+    let ties = if group.rank() == root {
+        Ties::none()
+    } else {
+        Ties::of(&module)
+    };
+    broadcast_tensors(module, group, root, timeout, None, &ties)
 }
 
 /// Copies `root`'s buffers (state the forward pass updates, e.g. BatchNorm running statistics)
@@ -272,7 +316,7 @@ pub(crate) fn broadcast_selected<B: Backend, M: Module<B>>(
     if !select.contains(&true) {
         return Ok(module);
     }
-    broadcast_tensors(module, group, root, timeout, Some(select))
+    broadcast_tensors(module, group, root, timeout, Some(select), &Ties::none())
 }
 
 /// The tensors of `module` that `select` marks (registration order), as raw words: what
@@ -290,7 +334,7 @@ pub(crate) fn restore_selected<B: Backend, M: Module<B>>(
     snapshot: &[f32],
     select: &[bool],
 ) -> M {
-    let mut unpack = Unpack::new(snapshot, Encoding::Bytes, Some(select));
+    let mut unpack = Unpack::new(snapshot, Encoding::Bytes, Some(select), &NO_TIES);
     module.map(&mut unpack)
 }
 
@@ -305,6 +349,20 @@ pub fn tensor_fingerprints<B: Backend, M: Module<B>>(module: &M) -> Vec<u64> {
     };
     module.visit(&mut hasher);
     hasher.hashes
+}
+
+/// The [`tensor_fingerprints`] entry of the float tensor at registration index `index` alone
+/// (reads that tensor only).
+pub(crate) fn fingerprint_of<B: Backend, M: Module<B>>(module: &M, index: usize) -> Option<u64> {
+    let mut select = vec![false; index + 1];
+    select[index] = true;
+    let mut hasher = Fingerprints {
+        hashes: Vec::new(),
+        select: Some(&select),
+        visited: 0,
+    };
+    module.visit(&mut hasher);
+    hasher.hashes.first().copied()
 }
 
 /// One hash of all float tensors of `module`: the fingerprints of [`tensor_fingerprints`] combined.

@@ -15,14 +15,14 @@ use burn::train::{
 };
 
 use super::lock;
-use super::policy::{Agreement, OnNonFinite, StepPolicy, end_of_data};
+use super::policy::{Agreement, OnNonFinite, StepPolicy, StopVote, end_of_data};
 use super::report::ValidOutput;
 use super::resume::wait_for_epoch_checkpoint;
 use super::worker::{ModelOutput, Role, Worker};
 use crate::checkpoint::{DdpState, StepState};
 use crate::ddp::DistributedDataParallel;
+use crate::lockstep::Position;
 use crate::metrics::{EpochReport, RankReport};
-use crate::reducer::StopVote;
 use crate::{BufferSync, DdpError, Result};
 
 /// Why an epoch's loop ended before its data.
@@ -144,6 +144,12 @@ where
                         &buffers,
                     ));
                 }
+                if !out_of_data {
+                    // As burn-train's own loop: the scheduler steps once per batch (micro-batch
+                    // with gradient accumulation), before the batch's forward pass; in join mode
+                    // also on a rank without a batch, since the step goes on.
+                    self.learner.lr_step();
+                }
                 let output = item.map(|item| {
                     let started = Instant::now();
                     let output = self.learner.train_step(item);
@@ -176,23 +182,33 @@ where
                     Some(grads)
                 };
                 if let Some(grads) = ready {
-                    let options = match &agreement {
+                    let mut options = match &agreement {
                         Some(agreement) => policy.reduce_options(samples as u64, agreement.total()),
-                        None => {
-                            // Read after this step's forward and backward passes: an interrupt
-                            // raised during them stops training after this step.
-                            let mut options = policy.reduce_options(samples as u64, 0);
-                            options.stop = StopVote {
-                                interrupt: self.interrupter.should_stop(),
-                                signal: self.signal().is_some(),
-                                out_of_data,
-                            };
-                            options
-                        }
+                        None => policy.reduce_options(samples as u64, 0),
                     };
-                    let outcome =
-                        ddp.sync_gradients_with(&self.learner.model(), grads, &options)?;
-                    if outcome.stop.out_of_data {
+                    if agreement.is_none() {
+                        // Read after this step's forward and backward passes: an interrupt
+                        // raised during them stops training after this step.
+                        options.words = StopVote {
+                            interrupt: self.interrupter.should_stop(),
+                            signal: self.signal().is_some(),
+                            out_of_data,
+                        }
+                        .words();
+                    }
+                    // Where this rank is: the same on every rank, or the step fails.
+                    let position = Position {
+                        epoch: epoch as u64,
+                        batches: step as u64 + 1,
+                        // Join mode weights ranks by their samples, which may differ.
+                        samples: if policy.join() { 0 } else { samples as u64 },
+                        lr_bits: self.learner.lr_current().to_bits(),
+                        probe: 0,
+                    };
+                    let (outcome, in_step) =
+                        ddp.sync_at(&self.learner.model(), grads, options, position)?;
+                    let votes = StopVote::from_reduced(&outcome.words);
+                    if votes.out_of_data {
                         // Some rank is out of data: every rank is here, and compares batch
                         // counts (one small all-gather, once per epoch when all is well).
                         let started = Instant::now();
@@ -206,6 +222,7 @@ where
                         ddp.uncount_step();
                         break;
                     }
+                    in_step?;
                     counters.synchronisations += 1;
                     if outcome.non_finite {
                         if policy.on_non_finite() == OnNonFinite::Fail {
@@ -236,7 +253,6 @@ where
                         );
                     } else {
                         let started = Instant::now();
-                        self.learner.lr_step();
                         self.learner.optimizer_step(outcome.grads);
                         report.optimizer += started.elapsed();
                         steps += 1;
@@ -251,13 +267,13 @@ where
                     let checkpoint_due = every > 0
                         && !outcome.non_finite
                         && counters.optimizer_steps.is_multiple_of(every);
-                    if outcome.stop.interrupt {
+                    if votes.interrupt {
                         // The step is trained: its due checkpoint is written before stopping.
                         if checkpoint_due {
                             self.write_step_checkpoint(epoch, step + 1, &counters)?;
                         }
                         stop = Some(Stop::Interrupted);
-                    } else if outcome.stop.signal {
+                    } else if votes.signal {
                         // Rare: one all-gather to name who was signalled, and with what.
                         let all = self.group.all_gather(
                             &[self.signal().map_or(0, |s| s as u64)],
@@ -316,6 +332,10 @@ where
                 && !interrupted
             {
                 {
+                    // The checkpointing strategy and early stopping read the epoch's metrics
+                    // from burn-train's event store, which its event processor feeds from a
+                    // thread of its own: decide on this epoch's values, not the last one's.
+                    leader.wait_for_events();
                     if let Some(checkpointer) = &mut leader.checkpointer {
                         checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
                         // burn-train writes in the background: the barrier below must not let

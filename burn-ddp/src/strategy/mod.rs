@@ -17,7 +17,9 @@ mod epoch;
 mod policy;
 mod report;
 mod resume;
+mod startup;
 mod validation;
+mod wire;
 mod worker;
 
 use std::sync::mpsc;
@@ -35,6 +37,7 @@ use crate::metrics::TrainingReport;
 use crate::{DdpConfig, DdpError, Result, UnevenInputs, Validation};
 use report::{Part, Reports};
 use resume::StepCheckpoints;
+use validation::{ValidShard, ValidationPlan};
 use worker::{Leader, Role, Worker, run_all, split_train_loader};
 
 type InferenceModel<LC> = <LC as LearningComponentsTypes>::InferenceModel;
@@ -72,8 +75,8 @@ enum OnError {
 /// same world size. The loader's batch size is the **per-rank** batch.
 ///
 /// Semantics worth knowing:
-/// - the LR scheduler steps once per optimizer step (with `grads_accumulation(k)`, once every `k`
-///   batches; burn-train's single-device loop steps it every batch);
+/// - the LR scheduler steps once per batch, before its forward pass, as burn-train's own loop
+///   steps it (with `grads_accumulation(k)`, once per micro-batch);
 /// - with `grads_accumulation(k)` gradients are synchronised once per optimizer step, on the sum
 ///   of the `k` micro-batches; micro-batches left over at the end of an epoch are dropped, as
 ///   burn-train does;
@@ -433,9 +436,9 @@ where
             let local = local?;
             // A DistributedDataLoader built for another world size, or one that pads the
             // validation set, is refused before anything starts.
-            crate::sampler::check_loader(
+            let train_loader = crate::sampler::check_loader(
                 &*dataloader_train,
-                crate::sampler::Purpose::Training { world_size },
+                crate::sampler::Purpose::Training { world_size, join },
             )?;
             crate::sampler::check_loader(&*dataloader_valid, crate::sampler::Purpose::Validation)?;
             let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
@@ -446,9 +449,18 @@ where
                 &self.devices,
                 join,
             )?;
-            Ok((local, shards))
+            let loaders = startup::Startup {
+                epochs: (0, 0),
+                resumed_batches: 0,
+                counters: (0, 0),
+                settings: 0,
+                train_items: dataloader_train.num_items() as u64,
+                train_loader,
+                valid_items: dataloader_valid.num_items() as u64,
+            };
+            Ok((local, shards, loaders))
         });
-        let (local, shards) = match prepared {
+        let (local, shards, loaders) = match prepared {
             Ok(prepared) => prepared,
             // Nothing started: hand burn-train its components back with the error.
             Err(err) => return Ok((learner.model(), components.event_processor, Some(err))),
@@ -504,13 +516,16 @@ where
         }
 
         let (sender, receiver) = mpsc::channel::<Part<LC>>();
-        // What rank 0 reports: one joined item per step, and validation sharded, when burn-ddp
-        // can join the output types.
-        let valid_items = dataloader_valid.num_items();
+        // What rank 0 reports: one joined item per step when burn-ddp can join the training
+        // output type; validation sharded by whole batches, between processes only when the
+        // validation output type can travel.
         let probe = Reports::<LC>::new(threads, self.config.metrics_every(), world_size);
+        let valid_codec =
+            crate::outputs::codec::<report::ValidOutput<LC>, report::InnerBackend<LC>>();
         let shard_validation = world_size > 1
             && self.config.validation() == Validation::Sharded
-            && probe.can_shard_validation();
+            && (threads || valid_codec.is_some());
+        let valid_plan = shard_validation.then(|| ValidationPlan::of(&*dataloader_valid));
         if world_size > 1 && first_rank == 0 {
             if !probe.joins_training() {
                 crate::log::warn_console(&format!(
@@ -525,10 +540,10 @@ where
                     }
                 ));
             }
-            if self.config.validation() == Validation::Sharded && !probe.can_shard_validation() {
+            if self.config.validation() == Validation::Sharded && !shard_validation {
                 crate::log::warn_console(&format!(
-                    "the validation output type ({}) is not one burn-ddp can join: rank 0 \
-                     validates the whole set alone",
+                    "the validation output type ({}) is not one burn-ddp can send between \
+                     processes: rank 0 validates the whole set alone",
                     std::any::type_name::<report::ValidOutput<LC>>()
                 ));
             }
@@ -562,16 +577,19 @@ where
                     (_, Some(event_processor), _) => Role::Silent(Box::new(event_processor)),
                     _ => Role::Follower(sender.clone()),
                 };
-                let mut reports = Reports::new(threads, self.config.metrics_every(), world_size);
-                reports.valid_items = valid_items;
-                if shard_validation {
-                    let range = crate::partition::chunk_range(valid_items, world_size, rank);
-                    reports.valid_shard = Some(
-                        dataloader_valid
-                            .slice(range.start, range.end)
+                let reports = Reports::new(threads, self.config.metrics_every(), world_size);
+                let valid_shard = valid_plan.map(|plan| {
+                    let batches = plan.batches_of(rank, world_size);
+                    let items = plan.items_of(batches.clone());
+                    ValidShard {
+                        loader: dataloader_valid
+                            .slice(items.start, items.end)
                             .to_device(&device),
-                    );
-                }
+                        first_batch: batches.start,
+                        plan,
+                        codec: valid_codec,
+                    }
+                });
                 Worker {
                     rank,
                     group,
@@ -587,6 +605,8 @@ where
                     average_buffers: !threads && world_size > 1,
                     resume: resume.clone(),
                     reports,
+                    loaders,
+                    valid_shard,
                 }
             })
             .collect();

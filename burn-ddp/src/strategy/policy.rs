@@ -50,6 +50,41 @@ impl Agreement {
     }
 }
 
+/// A rank's request to stop training, carried by the step's gradient reduction (three words of
+/// the reducer's first bucket, [`ReduceOptions::words`]) so that no separate collective is needed
+/// to agree on it: every rank learns in that step whether any rank asked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct StopVote {
+    /// burn-train's `Interrupter` asked to stop (a user's or a callback's stop).
+    pub interrupt: bool,
+    /// A stop signal (SIGTERM, SIGINT, SIGHUP) arrived: stop and write a step checkpoint.
+    pub signal: bool,
+    /// The rank has no batch left: it takes part in the step with no gradients (the same
+    /// collectives as every other rank, so even a group that cannot tell calls apart, NCCL,
+    /// learns it), and the ranks compare their batch counts.
+    pub out_of_data: bool,
+}
+
+impl StopVote {
+    /// This rank's vote as reduction words (1.0 for yes).
+    pub fn words(&self) -> Vec<f32> {
+        [self.interrupt, self.signal, self.out_of_data]
+            .into_iter()
+            .map(|v| f32::from(u8::from(v)))
+            .collect()
+    }
+
+    /// Every rank's votes from the reduced words: a word is positive when any rank voted.
+    pub fn from_reduced(words: &[f32]) -> Self {
+        let yes = |i: usize| words.get(i).is_some_and(|w| *w > 0.0);
+        Self {
+            interrupt: yes(0),
+            signal: yes(1),
+            out_of_data: yes(2),
+        }
+    }
+}
+
 /// The end of the data without a per-step agreement (not join mode): after a reduction in which
 /// some rank said it is out of data, every rank all-gathers `[out of data, batches trained this
 /// epoch]` (`words`, rank-major). Fine when every rank is out of data after as many batches;
@@ -170,7 +205,7 @@ impl StepPolicy {
             },
             clip_norm: self.clip_norm,
             check_finite: self.non_finite != NonFinite::Ignore,
-            stop: Default::default(),
+            words: Vec::new(),
         }
     }
 

@@ -164,7 +164,10 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
                         tracing::warn!("burn-ddp: rank {rank}: not resuming from {skip}");
                     }
                     if rank == 0 {
-                        tracing::info!("burn-ddp: resuming from {}", candidate.describe(dir));
+                        crate::log::info_console(&format!(
+                            "resuming from {}",
+                            candidate.describe(dir)
+                        ));
                     }
                     break;
                 }

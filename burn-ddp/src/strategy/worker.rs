@@ -18,6 +18,8 @@ use burn::train::{
 
 use super::report::{Part, Reports, ValidOutput};
 use super::resume::{Resume, StepCheckpoints};
+use super::startup::Startup;
+use super::validation::ValidShard;
 use crate::ddp::DistributedDataParallel;
 use crate::group::ProcessGroup;
 use crate::group::counting::CountingGroup;
@@ -38,6 +40,20 @@ pub(super) struct Leader<LC: LearningComponentsTypes> {
     pub event_store: Arc<EventStoreClient>,
     /// The outputs of the ranks that are threads of this process.
     pub items: Receiver<Part<LC>>,
+}
+
+impl<LC: LearningComponentsTypes> Leader<LC> {
+    /// Returns once burn-train's event processor has handled every event sent to it so far (so
+    /// the event store holds the epoch's metrics that early stopping and the checkpointing
+    /// strategy ask for). The processor runs on its own thread behind a channel of capacity one,
+    /// and handles a validation `Start` as a no-op: once the second of two `Start`s is accepted,
+    /// the first was taken, so every event before it was handled. Bounded as any event burn-train
+    /// sends itself: by the time the renderer and metric loggers take for the events before.
+    pub fn wait_for_events(&mut self) {
+        use burn::train::{EventProcessorTraining, LearnerEvent};
+        self.event_processor.process_valid(LearnerEvent::Start);
+        self.event_processor.process_valid(LearnerEvent::Start);
+    }
 }
 
 /// Where a rank's training items go.
@@ -69,8 +85,14 @@ pub(super) struct Worker<LC: LearningComponentsTypes> {
     pub average_buffers: bool,
     /// Where the run starts: batches of the first epoch to skip, counters so far.
     pub resume: Resume,
-    /// What rank 0 reports to burn-train, and this rank's validation shard.
+    /// What rank 0 reports to burn-train of training.
     pub reports: Reports<LC>,
+    /// This process's loaders as the ranks compare them at start-up (the other fields are
+    /// filled in by the rank).
+    pub loaders: Startup,
+    /// This rank's whole batches of the validation loader (sharded validation); `None`: rank 0
+    /// validates alone.
+    pub valid_shard: Option<ValidShard<LC>>,
 }
 
 /// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
@@ -147,7 +169,7 @@ where
             crate::sync_bn::enter_process_group(self.group.clone(), self.config.timeout());
         self.learner.fork(&self.device);
         // Check the replicas and start from rank 0's parameters and buffers.
-        let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::new(
+        let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::for_replica(
             self.group.clone(),
             self.learner.model(),
             &self.device,
@@ -155,47 +177,15 @@ where
         )?;
         self.learner.load_model(model.into_record());
         // Processes resuming from different checkpoints would train different steps, and
-        // different settings would diverge or call different collectives.
-        let mine = [
-            *self.epochs.start() as u64,
-            *self.epochs.end() as u64,
-            self.resume.batches as u64,
-            self.config.semantics_fingerprint() ^ self.grad_accumulation as u64,
-            // They set the cadence of the consistency check and of step checkpoints.
-            self.resume.synchronisations,
-            self.resume.optimizer_steps,
-        ];
-        let all = self.group.all_gather(&mine, self.config.timeout())?;
-        if let Some((other, theirs)) = all
-            .chunks(mine.len())
-            .enumerate()
-            .find(|(_, theirs)| *theirs != mine)
-        {
-            let detail = if theirs[..3] != mine[..3] {
-                format!(
-                    "rank {} trains epochs {}..={} from batch {} but rank {other} trains {}..={} \
-                     from batch {} (resumed from different checkpoints?)",
-                    self.rank, mine[0], mine[1], mine[2], theirs[0], theirs[1], theirs[2]
-                )
-            } else if theirs[4..] != mine[4..] {
-                format!(
-                    "rank {} resumes after {} gradient synchronisations ({} optimizer steps) but \
-                     rank {other} after {} ({}): they read different checkpoint states",
-                    self.rank, mine[4], mine[5], theirs[4], theirs[5]
-                )
-            } else {
-                format!(
-                    "rank {} and rank {other} have different DdpConfig training settings (clipping, \
-                     non-finite policy, uneven inputs, buffer sync, bucket caps) or gradient \
-                     accumulation; here: {}",
-                    self.rank, self.config
-                )
-            };
-            return Err(DdpError::ReplicaMismatch {
-                rank: self.rank,
-                detail,
-            });
+        // different settings or data would diverge or call different collectives.
+        Startup {
+            epochs: (*self.epochs.start() as u64, *self.epochs.end() as u64),
+            resumed_batches: self.resume.batches as u64,
+            counters: (self.resume.synchronisations, self.resume.optimizer_steps),
+            settings: self.config.semantics_fingerprint() ^ self.grad_accumulation as u64,
+            ..self.loaders
         }
+        .compare(self.group.as_ref(), self.config.timeout(), &self.config)?;
         let result = self.train_epochs(&mut ddp, report, &collectives);
         // Counters also on failure: they tell how far the rank got.
         report.comm = ddp.comm_stats().clone();
@@ -323,7 +313,8 @@ pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
 ) -> Result<Vec<TrainLoader<LC>>> {
     let items = loader.num_items();
     let per_rank = items / world_size;
-    if per_rank == 0 {
+    // In join mode a rank may have no sample at all: it joins every step with zero gradients.
+    if per_rank == 0 && !join {
         return Err(DdpError::InvalidConfig(format!(
             "the training set has {items} items, fewer than the {world_size} replicas"
         )));

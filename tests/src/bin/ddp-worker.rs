@@ -21,7 +21,9 @@
 //! `--signal-*`: rank R (a thread rank with `--threads`) sends itself SIGTERM at its K-th batch
 //! (first attempt only).
 //! `--checkpoint-dir`: checkpoints in DIR/checkpoint; `--resume` (or a launcher restart) resumes
-//! from the newest complete one. A run stopped by a signal exits with 143.
+//! from the newest complete one. A run stopped by a signal exits with 143. `--init-seed S`: the
+//! CNN's initial values from seed S (default 11), so a resumed run can start from other values
+//! than the checkpoint's (it then matches only if the checkpoint was read).
 //! `launch N`: runs burn-ddp's launcher with N copies of this program as workers.
 //! `mpi-case`: one `MpiGroup` scenario: `collectives` (every collective on known inputs, each
 //! rank's results to FILE.rankR), `silent` (rank 1 never calls the all-reduce rank 0 waits in,
@@ -62,6 +64,7 @@ struct Args {
     mlp: bool,
     panic_rank: Option<usize>,
     panic_at_batch: usize,
+    init_seed: u64,
 }
 
 fn parse(raw: &[String]) -> Result<Args, String> {
@@ -87,6 +90,7 @@ fn parse(raw: &[String]) -> Result<Args, String> {
         mlp: false,
         panic_rank: None,
         panic_at_batch: 2,
+        init_seed: 11,
     };
     let mut it = raw.iter().cloned();
     while let Some(flag) = it.next() {
@@ -112,6 +116,7 @@ fn parse(raw: &[String]) -> Result<Args, String> {
                 other => return Err(format!("--model mlp|cnn, got {other}")),
             },
             "--checkpoint-every" => args.checkpoint_every = number(value()?)?,
+            "--init-seed" => args.init_seed = number(value()?)?,
             "--fail-rank" => args.fail_rank = Some(number(value()?)? as usize),
             "--fail-at-batch" => args.fail_at_batch = number(value()?)? as usize,
             "--fail-attempt" => args.fail_attempt = number(value()?)?,
@@ -136,14 +141,14 @@ fn parse(raw: &[String]) -> Result<Args, String> {
 /// `ddp-worker launch N [--stop-grace-s S] -- ARGS`: the launcher, with this program as worker.
 fn launcher(raw: &[String]) -> ExitCode {
     let Some(n) = raw.first().and_then(|n| n.parse::<usize>().ok()) else {
-        eprintln!("ddp-worker launch: expected the number of workers");
+        err_line("ddp-worker launch: expected the number of workers".to_string());
         return ExitCode::from(2);
     };
     let mut rest = &raw[1..];
     let mut stop_grace = Duration::from_secs(60);
     if rest.first().map(String::as_str) == Some("--stop-grace-s") {
         let Some(s) = rest.get(1).and_then(|s| s.parse::<u64>().ok()) else {
-            eprintln!("ddp-worker launch: --stop-grace-s needs seconds");
+            err_line("ddp-worker launch: --stop-grace-s needs seconds".to_string());
             return ExitCode::from(2);
         };
         stop_grace = Duration::from_secs(s);
@@ -152,14 +157,14 @@ fn launcher(raw: &[String]) -> ExitCode {
     let worker_args = match rest.split_first() {
         Some((dashes, args)) if dashes == "--" => args.to_vec(),
         _ => {
-            eprintln!("ddp-worker launch: expected `--` before the worker's arguments");
+            err_line("ddp-worker launch: expected `--` before the worker's arguments".to_string());
             return ExitCode::from(2);
         }
     };
     let program = match std::env::current_exe() {
         Ok(program) => program,
         Err(e) => {
-            eprintln!("ddp-worker launch: {e}");
+            err_line(format!("ddp-worker launch: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -169,7 +174,7 @@ fn launcher(raw: &[String]) -> ExitCode {
     match launch(&config) {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ddp-worker launch: {e}");
+            err_line(format!("ddp-worker launch: {e}"));
             ExitCode::from(e.exit_code() as u8)
         }
     }
@@ -187,7 +192,7 @@ fn main() -> ExitCode {
     let args = match parse(&raw) {
         Ok(args) => args,
         Err(e) => {
-            eprintln!("ddp-worker: {e}");
+            err_line(format!("ddp-worker: {e}"));
             return ExitCode::from(2);
         }
     };
@@ -195,11 +200,13 @@ fn main() -> ExitCode {
         (Some(_), _) => None,
         (None, Ok(Some(topology))) => Some(topology),
         (None, Ok(None)) => {
-            eprintln!("ddp-worker: not started as part of a job (RANK/WORLD_SIZE unset)");
+            err_line(
+                "ddp-worker: not started as part of a job (RANK/WORLD_SIZE unset)".to_string(),
+            );
             return ExitCode::from(2);
         }
         (None, Err(e)) => {
-            eprintln!("ddp-worker: {e}");
+            err_line(format!("ddp-worker: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -221,14 +228,18 @@ fn main() -> ExitCode {
                 .unwrap_or(0)
         });
         if fail_rank == Some(rank) && batch == fail_at && attempt == fail_attempt {
-            eprintln!("ddp-worker rank {rank}: failing on purpose at batch {batch}");
+            err_line(format!(
+                "ddp-worker rank {rank}: failing on purpose at batch {batch}"
+            ));
             std::process::exit(3);
         }
         if panic_rank == Some(rank) && batch == panic_at {
             panic!("ddp-worker rank {rank}: panicking on purpose at batch {batch}");
         }
         if signal_rank == Some(rank) && batch == signal_at && attempt == 0 {
-            eprintln!("ddp-worker rank {rank}: sending itself SIGTERM at batch {batch}");
+            err_line(format!(
+                "ddp-worker rank {rank}: sending itself SIGTERM at batch {batch}"
+            ));
             // SAFETY: `raise` only sends a signal to this process.
             unsafe {
                 libc::raise(libc::SIGTERM);
@@ -270,6 +281,7 @@ fn main() -> ExitCode {
             args.epochs,
             args.checkpoint_dir.clone(),
             args.timeout,
+            args.init_seed,
         )
     };
     match trained {
@@ -282,17 +294,17 @@ fn main() -> ExitCode {
             if let Some(out) = &out
                 && let Err(e) = write_tensors(out, &tensors)
             {
-                eprintln!(
+                err_line(format!(
                     "ddp-worker rank {rank}: cannot write {}: {e}",
                     out.display()
-                );
+                ));
                 return ExitCode::FAILURE;
             }
-            println!("ddp-worker rank {rank}: done");
+            out_line(format!("ddp-worker rank {rank}: done"));
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("ddp-worker rank {rank}: {e}");
+            err_line(format!("ddp-worker rank {rank}: {e}"));
             ExitCode::from(e.exit_code() as u8)
         }
     }
@@ -315,7 +327,7 @@ fn mpi_case(raw: &[String]) -> ExitCode {
     let group = match MpiGroup::world() {
         Ok(group) => group,
         Err(e) => {
-            eprintln!("ddp-worker mpi-case: {e}");
+            err_line(format!("ddp-worker mpi-case: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -374,7 +386,7 @@ fn mpi_case(raw: &[String]) -> ExitCode {
         }
         "exit" => {
             if rank == 1 {
-                eprintln!("ddp-worker rank 1: exiting without a collective");
+                err_line("ddp-worker rank 1: exiting without a collective".to_string());
                 std::process::exit(0);
             }
             group.all_reduce(&mut [1.0; 16], ReduceOp::Sum, long)
@@ -384,7 +396,7 @@ fn mpi_case(raw: &[String]) -> ExitCode {
             let first = group.all_reduce(&mut bucket, ReduceOp::Sum, long);
             // The group refuses what follows.
             let second = group.barrier(long);
-            eprintln!("ddp-worker rank {rank}: then {second:?}");
+            err_line(format!("ddp-worker rank {rank}: then {second:?}"));
             first
         }
         "mismatch-half" => {
@@ -405,18 +417,29 @@ fn mpi_case(raw: &[String]) -> ExitCode {
             }
         }
         other => {
-            eprintln!("ddp-worker mpi-case: unknown case {other:?}");
+            err_line(format!("ddp-worker mpi-case: unknown case {other:?}"));
             return ExitCode::from(2);
         }
     };
     match result {
         Ok(()) => {
-            println!("ddp-worker rank {rank}: done");
+            out_line(format!("ddp-worker rank {rank}: done"));
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("ddp-worker rank {rank}: {e}");
+            err_line(format!("ddp-worker rank {rank}: {e}"));
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints `line` on stderr in one write: the ranks of an `mpirun` job share one terminal, and
+/// `eprintln!` writes its pieces one by one, so two ranks' lines interleaved mid-line.
+fn err_line(line: String) {
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{line}\n").as_bytes());
+}
+
+/// [`err_line`] on stdout.
+fn out_line(line: String) {
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), format!("{line}\n").as_bytes());
 }

@@ -1,0 +1,89 @@
+//! How step outputs travel between processes: each output as `u64` words behind a small header
+//! (`[step, present, length]`), and every rank's words gathered in two all-gathers (the lengths,
+//! then the words padded to the longest).
+
+use crate::{DdpError, Result};
+
+/// One entry of the words a rank sends: `[step, present, length, words of the output...]`.
+pub(super) fn encode_entry<T>(
+    words: &mut Vec<u64>,
+    step: usize,
+    output: Option<&T>,
+    encode: fn(&T, &mut Vec<u64>),
+) {
+    words.push(step as u64);
+    match output {
+        Some(output) => {
+            words.push(1);
+            let at = words.len();
+            words.push(0);
+            encode(output, words);
+            words[at] = (words.len() - at - 1) as u64;
+        }
+        None => {
+            words.push(0);
+            words.push(0);
+        }
+    }
+}
+
+/// The entry [`encode_entry`] wrote at the front of `words`.
+pub(super) fn decode_entry<T, D>(
+    words: &mut &[u64],
+    decode: fn(&mut &[u64], &D) -> std::result::Result<T, String>,
+    device: &D,
+) -> std::result::Result<(usize, Option<T>), String> {
+    let [step, present, length] = match words {
+        [a, b, c, ..] => [*a, *b, *c],
+        _ => return Err("an entry header is cut short".into()),
+    };
+    let rest = &words[3..];
+    let length = length as usize;
+    if rest.len() < length {
+        return Err(format!("an entry of {length} words, {} left", rest.len()));
+    }
+    let (mut body, after) = rest.split_at(length);
+    *words = after;
+    let output = if present != 0 {
+        let output = decode(&mut body, device)?;
+        if !body.is_empty() {
+            return Err(format!("{} words left after an output", body.len()));
+        }
+        Some(output)
+    } else {
+        None
+    };
+    Ok((step as usize, output))
+}
+
+/// Every rank's `words` (of any length), in rank order: two all-gathers (the lengths, then the
+/// words padded to the longest).
+pub(super) fn gather_words(
+    group: &dyn crate::group::ProcessGroup,
+    words: Vec<u64>,
+    timeout: std::time::Duration,
+) -> Result<Vec<Vec<u64>>> {
+    let lengths = group.all_gather(&[words.len() as u64], timeout)?;
+    let longest = lengths.iter().copied().max().unwrap_or(0) as usize;
+    if longest == 0 {
+        return Ok(vec![Vec::new(); lengths.len()]);
+    }
+    let mut padded = words;
+    padded.resize(longest, 0);
+    let all = group.all_gather(&padded, timeout)?;
+    Ok(all
+        .chunks(longest)
+        .zip(&lengths)
+        .map(|(chunk, &len)| chunk[..len as usize].to_vec())
+        .collect())
+}
+
+pub(super) fn bad_words(rank: usize, from: usize, detail: String) -> DdpError {
+    DdpError::Bucket {
+        rank,
+        bucket: 0,
+        detail: format!(
+            "the step outputs rank {from} sent for the metrics cannot be read: {detail}"
+        ),
+    }
+}
