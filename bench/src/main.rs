@@ -9,13 +9,16 @@
 //!   (feature `mpi`: `cargo xtask bench --features mpi`) and PyTorch's gloo on 2 processes
 //!   (`python3` with torch; skipped with a note otherwise), against memcpy;
 //! - bucket caps (one all-reduce per parameter, 1, 4, 25, 100 MiB);
-//! - a projection of scaling efficiency at 2, 4 and 8 GPUs for named links.
+//! - a projection of scaling efficiency at 2, 4 and 8 GPUs for named links;
+//! - the start-up cost of the job's authentication (a store connection and a group of 2 formed,
+//!   against a plain TCP connection).
 //!
 //! Prints a Markdown report and writes `bench.json`, `bench.md` and SVG plots to `--out`.
 
 mod collectives;
 mod models;
 mod report;
+mod startup;
 mod training;
 
 use std::path::PathBuf;
@@ -433,6 +436,11 @@ fn bench(cli: &Cli) -> Results {
     }
     if !cli.skip_prefetch {
         results.prefetch = prefetch(&plan, round_count);
+    }
+    eprintln!("start-up: connections with and without the handshake");
+    match startup::measure(if cli.long { 200 } else { 40 }) {
+        Ok(cost) => results.startup = Some(cost),
+        Err(e) => results.notes.push(format!("start-up cost: {e}")),
     }
     for &kind in &models {
         results

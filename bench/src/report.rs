@@ -87,6 +87,9 @@ pub struct Results {
     /// Loader prefetch: the same training with a costly batcher and 0 or more loader workers.
     #[serde(default)]
     pub prefetch: Vec<crate::training::PrefetchRun>,
+    /// What the job's authentication costs at start-up.
+    #[serde(default)]
+    pub startup: Option<crate::startup::StartupCost>,
     /// Why a measurement is missing (a peer not installed, a feature not built).
     #[serde(default)]
     pub notes: Vec<String>,
@@ -228,6 +231,21 @@ impl Results {
                 );
             }
             let _ = writeln!(md);
+        }
+        if let Some(cost) = &self.startup {
+            let _ = writeln!(
+                md,
+                "## Start-up: the job's handshake (loopback, median of {} connections)\n\n\
+                 | connection | ms |\n| --- | --- |\n\
+                 | plain TCP, one round trip | {:.3} |\n\
+                 | store, with the handshake (HMAC-SHA256 both ways) | {:.3} (+{:.3}) |\n\
+                 | TcpGroup of 2 ranks formed (rendezvous and pair) | {:.3} |\n",
+                cost.samples,
+                cost.tcp_connect_ms,
+                cost.store_connect_ms,
+                cost.store_connect_ms - cost.tcp_connect_ms,
+                cost.group_connect_ms
+            );
         }
         let _ = writeln!(md, "## All-reduce (2 ranks, average)\n");
         let _ = writeln!(

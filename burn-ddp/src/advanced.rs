@@ -15,6 +15,18 @@ pub use crate::replica::{
 pub use crate::sync_bn::SyncBatchNormGuard;
 pub use crate::topology::{Topology, TopologySource};
 
+/// Who belongs to a job: its run id and secret, and the handshake that proves them. Every
+/// connection to the store and between two ranks starts with an HMAC-SHA256 challenge-response
+/// under a key derived from the job token and bound to the run id; a process of another run is
+/// refused naming both ids, a stranger before it reads or writes anything. The variables, what
+/// is not protected and how to run on an untrusted network: `docs/security.md` in the
+/// repository.
+pub mod auth {
+    pub use crate::auth::{
+        JOB_TOKEN_VAR, JobIdentity, RUN_ID_VAR, Role, Secret, WORKER_KEY_VAR, run_id_from_env,
+    };
+}
+
 /// The launcher: one worker process per device on this machine, as `torchrun` starts them.
 pub mod launch {
     pub use crate::launch::*;

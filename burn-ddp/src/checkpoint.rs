@@ -143,6 +143,10 @@ pub struct DdpState {
     /// `with_checkpoint_every`). 0 when read from a state written before this field existed.
     #[serde(default)]
     pub synchronisations: u64,
+    /// The run that wrote it (a resumed run takes only its own run's checkpoints). `None` when
+    /// read from a state written before this field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
 }
 
 impl DdpState {
@@ -203,6 +207,10 @@ pub struct StepState {
     pub world_size: usize,
     /// Optimizer steps taken since the start of the run (skipped steps excluded).
     pub optimizer_steps: u64,
+    /// The run that wrote it (a resumed run takes only its own run's checkpoints). `None` when
+    /// read from a state written before this field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
 }
 
 impl StepState {
@@ -396,6 +404,7 @@ mod tests {
             optimizer_steps: 300,
             next_sampler_epoch: 3,
             synchronisations: 310,
+            run_id: Some("run-a".into()),
         };
         state.write(&dir).unwrap();
         assert_eq!(DdpState::read(&dir, 3).unwrap(), Some(state.clone()));
@@ -409,6 +418,7 @@ mod tests {
             DdpState::read(&dir, 3).unwrap(),
             Some(DdpState {
                 synchronisations: 0,
+                run_id: None,
                 ..state
             })
         );

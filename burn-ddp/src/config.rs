@@ -53,6 +53,8 @@ pub struct DdpConfig {
     checkpoint_dir: Option<std::path::PathBuf>,
     gradient_compression: GradientCompression,
     resume: bool,
+    resume_from: Option<std::path::PathBuf>,
+    run_id: Option<String>,
     checkpoint_every: u64,
     stop_on_signal: bool,
     comm_hook: Option<std::sync::Arc<dyn crate::hooks::CommHook>>,
@@ -77,6 +79,8 @@ impl PartialEq for DdpConfig {
             && self.checkpoint_dir == other.checkpoint_dir
             && self.gradient_compression == other.gradient_compression
             && self.resume == other.resume
+            && self.resume_from == other.resume_from
+            && self.run_id == other.run_id
             && self.checkpoint_every == other.checkpoint_every
             && self.stop_on_signal == other.stop_on_signal
             && hook(self) == hook(other)
@@ -163,6 +167,8 @@ impl Default for DdpConfig {
             checkpoint_dir: None,
             gradient_compression: GradientCompression::None,
             resume: false,
+            resume_from: None,
+            run_id: None,
             checkpoint_every: 0,
             stop_on_signal: true,
             comm_hook: None,
@@ -251,19 +257,52 @@ impl DdpConfig {
         self
     }
 
-    /// Start from the newest complete checkpoint of the [checkpoint
+    /// Continue this run from its newest complete checkpoint in the [checkpoint
     /// directory](Self::with_checkpoint_dir) (default off): burn-train's epoch checkpoints and
-    /// burn-ddp's step checkpoints are candidates, newest first; one that does not load
+    /// burn-ddp's step checkpoints **of this run** (their state files carry the run id, see
+    /// [`with_run_id`](Self::with_run_id)) are candidates, newest first; one that does not load
     /// (truncated, unreadable) is passed over with a warning naming it. A step checkpoint resumes
     /// mid-epoch, skipping the batches already trained, so the run continues as the
     /// uninterrupted one would (bit for bit, without dropout-style randomness: the backend's
     /// random state is not part of a checkpoint). A step checkpoint of another world size is
-    /// refused; an epoch boundary re-shards (see the README). Needs no
-    /// `SupervisedTraining::checkpoint(epoch)`; when that is given too, only newer checkpoints
-    /// are considered.
+    /// refused; an epoch boundary re-shards (see the README). Another run's checkpoints are never
+    /// taken: when the directory holds only those, or nothing, the run fails with
+    /// [`DdpError::Checkpoint`] naming the file and both run ids (resume another run's checkpoint
+    /// with [`with_resume_from`](Self::with_resume_from)). A launcher's restart resumes the same
+    /// way by itself, but starts afresh with a warning when there is nothing of the run to
+    /// resume. Needs no `SupervisedTraining::checkpoint(epoch)`; when that is given too, only
+    /// newer checkpoints are considered.
     pub fn with_resume(mut self, resume: bool) -> Self {
         self.resume = resume;
         self
+    }
+
+    /// Start from a checkpoint you point at, whichever run wrote it: a step checkpoint's state
+    /// file (`ddp-step-<n>.json`), an epoch's (`ddp-state-<epoch>.json`, whose burn-train
+    /// checkpoint is in the checkpoint directory), or a directory (its newest complete
+    /// checkpoint). Implies [`with_resume`](Self::with_resume).
+    pub fn with_resume_from(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.resume_from = Some(path.into());
+        self.resume = true;
+        self
+    }
+
+    /// The run id checkpoints are written and resumed under (default: `BURN_DDP_RUN_ID`, the
+    /// launcher's or the scheduler's job id, else one made per process: a new process is a new
+    /// run unless told otherwise).
+    pub fn with_run_id(mut self, run_id: impl Into<String>) -> Self {
+        self.run_id = Some(run_id.into());
+        self
+    }
+
+    /// The checkpoint to resume from whichever run wrote it, if set.
+    pub fn resume_from(&self) -> Option<&std::path::Path> {
+        self.resume_from.as_deref()
+    }
+
+    /// The run id set with [`with_run_id`](Self::with_run_id), if any.
+    pub fn run_id(&self) -> Option<&str> {
+        self.run_id.as_deref()
     }
 
     /// Rank 0 writes a step checkpoint every `steps` optimizer steps (0, the default: only at

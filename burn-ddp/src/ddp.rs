@@ -144,16 +144,19 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// The configuration's step settings apply: clipping by the global norm
     /// ([`DdpConfig::with_clip_grad_norm`]); non-finite gradients
     /// ([`DdpConfig::with_non_finite`]): by default the result is then empty, so the optimizer
-    /// step that follows changes nothing (skip your LR scheduler's step too), or
+    /// step that follows changes nothing, or
     /// [`DdpError::NonFinite`]; the consistency check every `k` synchronisations
     /// ([`DdpConfig::with_consistency_check_every`]).
     ///
     /// The ranks must be in step: when this thread draws its batches from a
     /// [`DistributedDataLoader`](crate::DistributedDataLoader), every synchronisation also
     /// compares the ranks' epochs, batch counts and batch sizes (a rank that skipped a
-    /// synchronisation, or whose loader was built with another batch size, is found at once), and
-    /// the first synchronisations compare the parameters after the optimizer's first steps
-    /// (another optimizer or hyper-parameters). All of it rides in the gradient reduction.
+    /// synchronisation, or whose loader was built with another batch size, is found at once;
+    /// the loader compared is the last one iterated on this thread, so iterate another one, a
+    /// validation loader say, between a batch and its synchronisation on every rank or on none),
+    /// and the first synchronisations compare the parameters after the optimizer's first steps
+    /// (another optimizer or hyper-parameters). All of it rides in the gradient reduction. With
+    /// another loader only the parameters are compared.
     ///
     /// # Errors
     /// The reducer's errors: [`DdpError::Bucket`] for a gradient of the wrong shape,
@@ -248,6 +251,17 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         let sync = self.syncs;
         position.probe = self.probe.at(model, sync);
         let caller = options.words.len();
+        let room = ReduceOptions::MAX_WORDS - Position::WORDS;
+        if caller > room {
+            let err = DdpError::InvalidConfig(format!(
+                "{caller} words in ReduceOptions::words; DistributedDataParallel leaves room for \
+                 {room} (it sends {} of its own)",
+                Position::WORDS
+            ));
+            // Every rank passes the same options; the abort covers one that does not.
+            self.group().abort(&err.to_string());
+            return Err(err);
+        }
         options.words.extend(position.words());
         let mut outcome = self.reducer.reduce_with::<B::InnerBackend>(
             &Replica::<B, M>::new(model),

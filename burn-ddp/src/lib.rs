@@ -22,6 +22,7 @@
 #![warn(missing_docs)]
 
 pub mod advanced;
+mod auth;
 pub mod checkpoint;
 pub mod config;
 mod context;
@@ -35,6 +36,7 @@ mod log;
 pub mod lr;
 pub mod metrics;
 pub mod nccl;
+mod net;
 pub mod outputs;
 mod partition;
 mod reducer;
@@ -66,7 +68,32 @@ pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};
 // Short paths for the crate's own modules.
 pub(crate) use config::{BufferSync, NonFinite, UnevenInputs, Validation};
 
-/// The README's code blocks, compiled as doc-tests so they stay true.
+/// The README's and the user documentation's code blocks, compiled as doc-tests so they stay
+/// true.
 #[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-struct ReadmeDoctests;
+mod documentation {
+    #[doc = include_str!("../../README.md")]
+    struct Readme;
+    #[doc = include_str!("../../docs/burn-training.md")]
+    struct BurnTraining;
+    #[doc = include_str!("../../docs/checkpoints.md")]
+    struct Checkpoints;
+    #[doc = include_str!("../../docs/cuda.md")]
+    struct Cuda;
+    #[doc = include_str!("../../docs/custom-loop.md")]
+    struct CustomLoop;
+    #[doc = include_str!("../../docs/development.md")]
+    struct Development;
+    #[doc = include_str!("../../docs/fashion-mnist.md")]
+    struct FashionMnist;
+    #[doc = include_str!("../../docs/limits.md")]
+    struct Limits;
+    #[doc = include_str!("../../docs/processes.md")]
+    struct Processes;
+    #[doc = include_str!("../../docs/security.md")]
+    struct Security;
+    #[doc = include_str!("../../docs/semantics.md")]
+    struct Semantics;
+    #[doc = include_str!("../../docs/troubleshooting.md")]
+    struct Troubleshooting;
+}

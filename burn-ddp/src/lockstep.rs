@@ -11,8 +11,8 @@
 //! `(bit, 1 - bit)` with the gradients ([`ReduceOptions::words`](crate::advanced::ReduceOptions)).
 //! Summed over the ranks, a word is positive when any rank set it, whatever the wire (`f32`,
 //! 16-bit, an average): the ranks agree exactly when no pair has both words positive (up to
-//! hash collisions, one in 2^16 per step, and a rank out of step stays out of step: the next
-//! steps hash differently). Every rank reads the same reduced words, so all take
+//! hash collisions, one in 2^16 per step; a rank whose batches are out of step stays so, and the
+//! next steps hash differently). Every rank reads the same reduced words, so all take
 //! the same path; when they differ, one all-gather of the positions names the ranks and what
 //! differs.
 
@@ -36,11 +36,14 @@ pub(crate) struct Position {
 }
 
 /// Bits of the position's hash that travel: 32 words a step (128 bytes in `f32`). A collision
-/// lets a difference pass one step in 65536; a rank out of step stays out of step, and the next
-/// steps' positions hash differently.
+/// lets a difference pass one step in 65536; a rank whose batches are out of step stays so, and
+/// the next steps' positions hash differently.
 const BITS: usize = 16;
 
 impl Position {
+    /// Words a position adds to a reduction.
+    pub const WORDS: usize = 2 * BITS;
+
     fn fields(&self) -> [u64; 5] {
         [
             self.epoch,
@@ -207,7 +210,7 @@ mod tests {
 
     /// The sum over ranks of their words, as the reduction gives it.
     fn reduce(positions: &[Position]) -> Vec<f32> {
-        let mut sum = vec![0.0; 2 * BITS];
+        let mut sum = vec![0.0; Position::WORDS];
         for p in positions {
             for (s, w) in sum.iter_mut().zip(p.words()) {
                 *s += w;

@@ -5,11 +5,12 @@
 //! happened: "expected 4 ranks, 2 arrived (0, 1) after 30 s", a rank claimed twice, ranks that
 //! disagree on the world size, a port already in use.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::store::{StoreClient, StoreServer};
+use crate::auth::{JobIdentity, Role};
+use crate::store::{StoreClient, StoreServer, bind_address, host_port};
 use crate::topology::Topology;
 use crate::{DdpError, Result};
 
@@ -27,6 +28,8 @@ pub struct Rendezvous {
     pub peer_addrs: Vec<String>,
     /// The key prefix of this rendezvous round (`burn-ddp/round-<restart count>`).
     pub prefix: String,
+    /// The job the processes proved they belong to (its run id names the run's checkpoints).
+    pub job: JobIdentity,
 }
 
 /// Meets the other processes of `topology`'s job. `listen(ip)` starts listening for
@@ -41,19 +44,27 @@ pub struct Rendezvous {
 pub fn rendezvous(
     topology: &Topology,
     timeout: Duration,
+    job: &JobIdentity,
     listen: impl FnOnce(IpAddr) -> Result<String>,
 ) -> Result<Rendezvous> {
     let started = Instant::now();
     let rank = topology.rank;
     let world_size = topology.world_size;
     let server = if rank == 0 && !topology.agent_store {
-        let bind = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), topology.master_port);
-        Some(StoreServer::bind(bind)?)
+        // Bound to the address the store is reached at, not every interface.
+        let several_nodes = topology.world_size > topology.local_world_size;
+        let bind = bind_address(&topology.master_addr, topology.master_port, several_nodes)?;
+        Some(StoreServer::bind(bind, job)?)
     } else {
         None
     };
-    let store_addr = format!("{}:{}", topology.master_addr, topology.master_port);
-    let store = Arc::new(StoreClient::connect(&store_addr, timeout)?);
+    let store_addr = host_port(&topology.master_addr, topology.master_port);
+    let store = Arc::new(StoreClient::connect(
+        &store_addr,
+        timeout,
+        job,
+        Role::Worker,
+    )?);
     let prefix = format!("burn-ddp/round-{}", topology.restart_count);
     let fail = |detail: String| DdpError::Rendezvous { rank, detail };
 
@@ -150,6 +161,7 @@ pub fn rendezvous(
             .map(|info| info.map(|(_, addr)| addr).unwrap_or_default())
             .collect(),
         prefix,
+        job: job.clone(),
     })
 }
 
@@ -161,7 +173,8 @@ mod tests {
     /// A store on a port the system picked (no race with other tests for a "free" port), served
     /// by the test as a launcher would: the ranks' topologies say so (`agent_store`).
     fn store() -> (StoreServer, u16) {
-        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().unwrap(), &crate::auth::test_job()).unwrap();
         let port = server.local_addr().port();
         (server, port)
     }
@@ -190,10 +203,15 @@ mod tests {
         let handles: Vec<_> = (0..3)
             .map(|rank| {
                 std::thread::spawn(move || {
-                    rendezvous(&topology(rank, 3, port), Duration::from_secs(10), |ip| {
-                        assert!(ip.is_loopback());
-                        Ok(format!("{ip}:{}", 4000 + rank))
-                    })
+                    rendezvous(
+                        &topology(rank, 3, port),
+                        Duration::from_secs(10),
+                        &crate::auth::test_job(),
+                        |ip| {
+                            assert!(ip.is_loopback());
+                            Ok(format!("{ip}:{}", 4000 + rank))
+                        },
+                    )
                     .map(|r| r.peer_addrs)
                 })
             })
@@ -213,9 +231,14 @@ mod tests {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
                 std::thread::spawn(move || {
-                    rendezvous(&topology(rank, 3, port), Duration::from_secs(1), addr(1))
-                        .err()
-                        .map(|e| e.to_string())
+                    rendezvous(
+                        &topology(rank, 3, port),
+                        Duration::from_secs(1),
+                        &crate::auth::test_job(),
+                        addr(1),
+                    )
+                    .err()
+                    .map(|e| e.to_string())
                 })
             })
             .collect();
@@ -233,29 +256,50 @@ mod tests {
     fn a_duplicate_rank_and_a_different_world_size_are_errors() {
         let (_server, port) = store();
         let first = std::thread::spawn(move || {
-            rendezvous(&topology(0, 2, port), Duration::from_secs(5), addr(1)).err()
+            rendezvous(
+                &topology(0, 2, port),
+                Duration::from_secs(5),
+                &crate::auth::test_job(),
+                addr(1),
+            )
+            .err()
         });
         // Until the first process has claimed rank 0 (an event, not a guess of how long).
-        let watcher =
-            StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_secs(5)).unwrap();
+        let watcher = StoreClient::connect(
+            &format!("127.0.0.1:{port}"),
+            Duration::from_secs(5),
+            &crate::auth::test_job(),
+            crate::auth::Role::Worker,
+        )
+        .unwrap();
         watcher
             .wait(&["burn-ddp/round-0/rank/0/claims"], Duration::from_secs(20))
             .unwrap();
         // A second process claiming rank 0 (it connects to the store rank 0 serves).
         let mut duplicate = topology(0, 2, port);
         duplicate.agent_store = true;
-        let err = rendezvous(&duplicate, Duration::from_secs(2), addr(2))
-            .err()
-            .unwrap()
-            .to_string();
+        let err = rendezvous(
+            &duplicate,
+            Duration::from_secs(2),
+            &crate::auth::test_job(),
+            addr(2),
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(err.contains("rank 0 was already claimed"), "{err}");
         // A rank 1 that believes the world has 3 ranks.
         let mut wrong = topology(1, 3, port);
         wrong.agent_store = true;
-        let err = rendezvous(&wrong, Duration::from_secs(2), addr(3))
-            .err()
-            .unwrap()
-            .to_string();
+        let err = rendezvous(
+            &wrong,
+            Duration::from_secs(2),
+            &crate::auth::test_job(),
+            addr(3),
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(
             err.contains("WORLD_SIZE=2") && err.contains("WORLD_SIZE=3"),
             "{err}"

@@ -7,7 +7,8 @@
 //! they come: a cluster may send SIGTERM to every process of a job and the launcher pass it on
 //! again, and the SIGKILL that follows a grace period is the backstop. A second SIGINT (Ctrl-C
 //! twice) ends the process at once. While nothing is armed, every signal has its default effect.
-//! The handlers are installed once per process with `signal-hook`, on the first arming.
+//! The handlers are installed once per process with `signal-hook`, on the first arming. A signal
+//! the process inherited as ignored (SIGHUP under `nohup`) is left ignored: it stops nothing.
 
 /// The exit code of a process that stopped because of a stop signal, after its checkpoint:
 /// 143, which shells also report for a process ended by SIGTERM (128 + 15). Workers stopped by
@@ -47,6 +48,11 @@ mod imp {
                     armed: Mutex::new(0),
                 };
                 for signal in SIGNALS {
+                    // A signal the process inherited as ignored (`nohup` ignores SIGHUP) stays
+                    // ignored: it stops nothing, during training or after.
+                    if ignored(signal) {
+                        continue;
+                    }
                     // Actions run in registration order: the default effect first (when
                     // nothing is armed, or for a second SIGINT), then note the signal (and, for
                     // SIGINT, make the next one fatal).
@@ -79,6 +85,17 @@ mod imp {
                 Some(state)
             })
             .as_ref()
+    }
+
+    /// Whether `signal`'s disposition is "ignore" (inherited from the parent, e.g. `nohup`).
+    fn ignored(signal: i32) -> bool {
+        // SAFETY: `sigaction` with a null new action only reads the current one into `current`,
+        // a zeroed `sigaction` owned by this frame.
+        unsafe {
+            let mut current: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(signal, std::ptr::null(), &mut current) == 0
+                && current.sa_sigaction == libc::SIG_IGN
+        }
     }
 
     /// Keeps stop signals recorded (not fatal) until dropped.

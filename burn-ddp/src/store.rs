@@ -1,25 +1,34 @@
 //! The rendezvous store: a small TCP key-value server, the counterpart of PyTorch's `TCPStore`.
 //!
-//! Rank 0 (or the launcher) serves it at `MASTER_ADDR:MASTER_PORT`; every process connects as a
-//! client. Keys are strings, values bytes. Operations, each with a timeout:
+//! Rank 0 (or the launcher) serves it at `MASTER_ADDR:MASTER_PORT`, bound to that address only
+//! (`BURN_DDP_STORE_BIND` overrides it); every process connects as a client. Keys are strings,
+//! values bytes. Operations, each with a timeout:
 //! - [`set`](StoreClient::set) a value;
 //! - [`get`](StoreClient::get) a value, waiting until some process has set it;
 //! - [`add`](StoreClient::add) to a counter (stored as decimal text) and read the new value;
 //! - [`check`](StoreClient::check) which of some keys exist, without waiting;
 //! - [`wait`](StoreClient::wait) until all of some keys exist.
 //!
-//! Wire format (all integers little-endian): a request is an operation byte followed by its
-//! fields, a string or byte field being a `u32` length then the bytes; a reply is a status byte
-//! (0 ok, 1 timeout) followed by the result.
+//! **Only the job's processes.** Every connection starts with the job's challenge-response
+//! ([`auth`](crate::advanced::auth)): a process of another run is refused naming both run ids, a
+//! stranger is refused and learns nothing. Keys under `burn-ddp/launcher/` (the restart round)
+//! are written by launchers only. **Bounded.** At most 64 connections may be in their handshake
+//! (5 s each, off the accept loop) and 4096 served; a request must arrive whole within 10 s once
+//! begun; keys are at most 1 KiB, values 1 MiB, the table 64 MiB, a request 65,536 keys.
+//!
+//! Wire format after the handshake (all integers little-endian): a request is an operation byte
+//! followed by its fields, a string or byte field being a `u32` length then the bytes; a reply is
+//! a status byte (0 ok, 1 timeout, 2 refused followed by why) followed by the result.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, JobIdentity, Role, Service};
 use crate::{DdpError, Result};
 
 const OP_SET: u8 = 1;
@@ -30,31 +39,77 @@ const OP_WAIT: u8 = 5;
 
 const STATUS_OK: u8 = 0;
 const STATUS_TIMEOUT: u8 = 1;
+const STATUS_REFUSED: u8 = 2;
 
-/// Largest key or value accepted (64 MiB): protects the server from garbage on its port.
-const MAX_FIELD: usize = 64 << 20;
+/// Largest key accepted (1 KiB).
+const MAX_KEY: usize = 1 << 10;
+/// Largest value accepted (1 MiB: the largest burn-ddp stores is an address or NCCL's 128-byte
+/// id).
+const MAX_VALUE: usize = 1 << 20;
+/// Largest table (keys and values together: 64 MiB).
+const MAX_TABLE: usize = 64 << 20;
+/// Most keys in one request.
+const MAX_KEYS: usize = 1 << 16;
+/// Connections at most in their handshake at once (more are closed at once).
+const MAX_HANDSHAKES: usize = 64;
+/// Connections served at most at once.
+const MAX_SESSIONS: usize = 4096;
+/// How long a connection has for its handshake.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+/// How long the rest of a request may take to arrive once its first byte came.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
+/// Keys only launchers may write (the restart round).
+pub(crate) const LAUNCHER_PREFIX: &str = "burn-ddp/launcher/";
+
+/// The variable that overrides the address the store binds (default: the address it is reached
+/// at, `MASTER_ADDR`).
+pub const STORE_BIND_VAR: &str = "BURN_DDP_STORE_BIND";
+
+/// The keys and values, and how many bytes they hold.
+#[derive(Default)]
+struct Entries {
+    map: HashMap<String, Vec<u8>>,
+    bytes: usize,
+}
 
 #[derive(Default)]
 struct Table {
-    values: Mutex<HashMap<String, Vec<u8>>>,
+    entries: Mutex<Entries>,
     changed: Condvar,
 }
 
 impl Table {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
-        self.values
+    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
+        self.entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Sets `key` to `value`, unless the table would grow past [`MAX_TABLE`].
+    fn insert(&self, key: String, value: Vec<u8>) -> std::result::Result<(), String> {
+        let mut entries = self.lock();
+        let old = entries.map.get(&key).map_or(0, |v| key.len() + v.len());
+        let bytes = entries.bytes - old + key.len() + value.len();
+        if bytes > MAX_TABLE {
+            return Err(format!(
+                "the store holds at most {MAX_TABLE} bytes; setting `{key}` would make it {bytes}"
+            ));
+        }
+        entries.bytes = bytes;
+        entries.map.insert(key, value);
+        drop(entries);
+        self.changed.notify_all();
+        Ok(())
     }
 
     /// Waits until every key exists or `timeout` passes; returns the missing keys.
     fn wait_for(&self, keys: &[String], timeout: Duration) -> Vec<String> {
         let deadline = Instant::now().checked_add(timeout);
-        let mut values = self.lock();
+        let mut entries = self.lock();
         loop {
             let missing: Vec<String> = keys
                 .iter()
-                .filter(|k| !values.contains_key(*k))
+                .filter(|k| !entries.map.contains_key(*k))
                 .cloned()
                 .collect();
             let now = Instant::now();
@@ -62,16 +117,16 @@ impl Table {
                 _ if missing.is_empty() => return missing,
                 Some(deadline) if now >= deadline => return missing,
                 Some(deadline) => {
-                    values = self
+                    entries = self
                         .changed
-                        .wait_timeout(values, deadline - now)
+                        .wait_timeout(entries, deadline - now)
                         .unwrap_or_else(|poisoned| poisoned.into_inner())
                         .0;
                 }
                 None => {
-                    values = self
+                    entries = self
                         .changed
-                        .wait(values)
+                        .wait(entries)
                         .unwrap_or_else(|poisoned| poisoned.into_inner());
                 }
             }
@@ -79,21 +134,24 @@ impl Table {
     }
 }
 
-/// The store server. Accepts clients until dropped; connected clients are served until they
-/// disconnect.
+/// The store server. Accepts the job's processes until dropped; connected ones are served until
+/// they disconnect.
 pub struct StoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     accept: Option<thread::JoinHandle<()>>,
+    job: Arc<JobIdentity>,
 }
 
 impl StoreServer {
-    /// Listens on `addr` (e.g. `0.0.0.0:29500`; port 0 picks a free port, see
-    /// [`local_addr`](Self::local_addr)) and serves clients on background threads.
+    /// Listens on `addr` (port 0 picks a free port, see [`local_addr`](Self::local_addr)) and
+    /// serves the processes of `job` (each connection proves it with the job's handshake) on
+    /// background threads. Bind the address the store is reached at (`MASTER_ADDR`), not every
+    /// interface: [`bind_address`] gives it.
     ///
     /// # Errors
     /// [`DdpError::Store`] when the port is already in use or cannot be bound.
-    pub fn bind(addr: SocketAddr) -> Result<StoreServer> {
+    pub fn bind(addr: SocketAddr, job: &JobIdentity) -> Result<StoreServer> {
         let listener = TcpListener::bind(addr).map_err(|e| {
             let detail = if e.kind() == io::ErrorKind::AddrInUse {
                 format!(
@@ -114,23 +172,100 @@ impl StoreServer {
             .set_nonblocking(true)
             .map_err(|e| store_error(&addr.to_string(), "bind", e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let table = Arc::new(Table::default());
+        let job = Arc::new(job.clone());
+        let served = Served {
+            table: Arc::new(Table::default()),
+            job: job.clone(),
+            handshaking: Arc::new(AtomicUsize::new(0)),
+            sessions: Arc::new(AtomicUsize::new(0)),
+        };
         let accept_stop = stop.clone();
         let accept = thread::Builder::new()
             .name("burn-ddp-store".into())
-            .spawn(move || accept_loop(listener, table, accept_stop))
+            .spawn(move || accept_loop(listener, served, accept_stop))
             .map_err(|e| store_error(&addr.to_string(), "bind", e.to_string()))?;
         tracing::debug!("burn-ddp: store serving on {local}");
         Ok(StoreServer {
             addr: local,
             stop,
             accept: Some(accept),
+            job,
         })
     }
 
     /// The address the server listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The job whose processes it serves.
+    pub fn job(&self) -> &JobIdentity {
+        &self.job
+    }
+}
+
+/// The address a store reached at `host:port` binds: `BURN_DDP_STORE_BIND` when set (an IP
+/// address, e.g. `0.0.0.0` for every interface), else the address `host` resolves to (loopback
+/// for a single-node job on 127.0.0.1). Every interface of the address's family instead when
+/// that address cannot serve the job: a loopback address in a job that spans `several_nodes`
+/// (a host name that `/etc/hosts` maps to 127.0.1.1, say: the other nodes reach the store
+/// through another name), or an address that is not this host's (a cloud machine's public
+/// address, translated before it arrives).
+///
+/// # Errors
+/// [`DdpError::Store`] when `BURN_DDP_STORE_BIND` is not an IP address or `host` does not
+/// resolve.
+pub fn bind_address(host: &str, port: u16, several_nodes: bool) -> Result<SocketAddr> {
+    if let Ok(bind) = std::env::var(STORE_BIND_VAR)
+        && !bind.is_empty()
+    {
+        let ip: std::net::IpAddr = bind.trim_matches(['[', ']']).parse().map_err(|e| {
+            store_error(
+                &format!("{STORE_BIND_VAR}={bind}"),
+                "bind",
+                format!("not an IP address: {e}"),
+            )
+        })?;
+        return Ok(SocketAddr::new(ip, port));
+    }
+    let target = host_port(host, port);
+    let ip = target
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .ok_or_else(|| {
+            store_error(
+                &target,
+                "bind",
+                format!("MASTER_ADDR {host} does not resolve"),
+            )
+        })?
+        .ip();
+    let every_interface = match ip {
+        std::net::IpAddr::V4(_) => std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        std::net::IpAddr::V6(_) => std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    };
+    let unreachable_loopback = ip.is_loopback() && several_nodes;
+    // A probe on a port the system picks: an address of another host cannot be bound.
+    let not_ours = std::net::TcpListener::bind(SocketAddr::new(ip, 0))
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::AddrNotAvailable);
+    Ok(SocketAddr::new(
+        if unreachable_loopback || not_ours {
+            every_interface
+        } else {
+            ip
+        },
+        port,
+    ))
+}
+
+/// `host:port`, with an IPv6 address in brackets (`[::1]:29500`).
+pub fn host_port(host: &str, port: u16) -> String {
+    let host = host.trim_matches(['[', ']']);
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
     }
 }
 
@@ -145,51 +280,134 @@ impl Drop for StoreServer {
     }
 }
 
-fn accept_loop(listener: TcpListener, table: Arc<Table>, stop: Arc<AtomicBool>) {
+/// What every connection of a server shares.
+#[derive(Clone)]
+struct Served {
+    table: Arc<Table>,
+    job: Arc<JobIdentity>,
+    /// Connections in their handshake.
+    handshaking: Arc<AtomicUsize>,
+    /// Connections being served.
+    sessions: Arc<AtomicUsize>,
+}
+
+/// Decrements a counter when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Takes one of `limit` slots of `counter`, if one is free.
+fn take_slot(counter: &Arc<AtomicUsize>, limit: usize) -> Option<Slot> {
+    counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            (n < limit).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| Slot(counter.clone()))
+}
+
+fn accept_loop(listener: TcpListener, served: Served, stop: Arc<AtomicBool>) {
+    let mut refused_warned = false;
     while !stop.load(Ordering::Relaxed) {
         match listener.accept() {
-            Ok((stream, _)) => {
-                let table = table.clone();
+            Ok((mut stream, from)) => {
+                // Handshakes run off this loop, a bounded number at once: idle or slow
+                // connections cannot hold the door shut for the job's own processes (a client
+                // told "busy" tries again).
+                let Some(slot) = take_slot(&served.handshaking, MAX_HANDSHAKES) else {
+                    auth::refuse_busy(&mut stream);
+                    if !refused_warned {
+                        tracing::warn!(
+                            "burn-ddp: store: {MAX_HANDSHAKES} connections are already in their \
+                             handshake; closing more (from {from}) at once"
+                        );
+                        refused_warned = true;
+                    }
+                    continue;
+                };
+                let served = served.clone();
                 let _ = thread::Builder::new()
                     .name("burn-ddp-store-client".into())
-                    .spawn(move || serve(stream, &table));
+                    .spawn(move || serve(stream, from, slot, &served));
             }
+            // Woken by the next connection; the stop flag is read every 20 ms.
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                thread::sleep(Duration::from_millis(20));
+                crate::net::wait_for_connection(&listener, Duration::from_millis(20));
             }
             Err(_) => thread::sleep(Duration::from_millis(20)),
         }
     }
 }
 
-/// Serves one client until it disconnects. Dropping the [`StoreServer`] only stops accepting new
-/// clients: connected ones keep being served, so the process serving the store may finish its
-/// own rendezvous before the others have read the last keys.
-fn serve(mut stream: TcpStream, table: &Table) {
+/// Authenticates one client, then serves it until it disconnects. Dropping the [`StoreServer`]
+/// only stops accepting new clients: connected ones keep being served, so the process serving
+/// the store may finish its own rendezvous before the others have read the last keys.
+fn serve(mut stream: TcpStream, from: SocketAddr, handshake: Slot, served: &Served) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
-    while serve_one(&mut stream, table).is_ok() {}
+    let accepted = auth::accept(
+        &mut stream,
+        &served.job,
+        Service::Store,
+        b"",
+        HANDSHAKE_DEADLINE,
+    );
+    drop(handshake);
+    let role = match accepted {
+        Ok(accepted) => accepted.role,
+        Err(why) => {
+            tracing::warn!("burn-ddp: store: refused the connection from {from}: {why}");
+            return;
+        }
+    };
+    let Some(_session) = take_slot(&served.sessions, MAX_SESSIONS) else {
+        tracing::warn!(
+            "burn-ddp: store: {MAX_SESSIONS} connections served already; closing {from}"
+        );
+        return;
+    };
+    let _ = stream.set_write_timeout(Some(REQUEST_DEADLINE));
+    while serve_one(&mut stream, &served.table, role).is_ok() {}
 }
 
-fn serve_one(stream: &mut TcpStream, table: &Table) -> io::Result<()> {
+/// The reply refusing a request, with why.
+fn refused(why: &str) -> Vec<u8> {
+    let mut reply = vec![STATUS_REFUSED];
+    put_bytes(&mut reply, why.as_bytes());
+    reply
+}
+
+fn serve_one(stream: &mut TcpStream, table: &Table, role: Role) -> io::Result<()> {
+    // A member may stay idle between requests; once one begins it must arrive whole in time.
+    stream.set_read_timeout(None)?;
     let op = read_u8(stream)?;
+    stream.set_read_timeout(Some(REQUEST_DEADLINE))?;
+    let may_write = |key: &str| role == Role::Launcher || !key.starts_with(LAUNCHER_PREFIX);
     let mut reply = Vec::new();
     match op {
         OP_SET => {
-            let key = read_string(stream)?;
-            let value = read_bytes(stream)?;
-            table.lock().insert(key, value);
-            table.changed.notify_all();
-            reply.push(STATUS_OK);
+            let key = read_string(stream, MAX_KEY)?;
+            let value = read_bytes(stream, MAX_VALUE)?;
+            if !may_write(&key) {
+                reply = refused(&format!("`{key}` is written by launchers only"));
+            } else if let Err(why) = table.insert(key, value) {
+                reply = refused(&why);
+            } else {
+                reply.push(STATUS_OK);
+            }
         }
         OP_GET => {
-            let key = read_string(stream)?;
+            let key = read_string(stream, MAX_KEY)?;
             let timeout = Duration::from_millis(read_u64(stream)?);
             if table
                 .wait_for(std::slice::from_ref(&key), timeout)
                 .is_empty()
             {
-                let value = table.lock().get(&key).cloned().unwrap_or_default();
+                let value = table.lock().map.get(&key).cloned().unwrap_or_default();
                 reply.push(STATUS_OK);
                 put_bytes(&mut reply, &value);
             } else {
@@ -197,25 +415,37 @@ fn serve_one(stream: &mut TcpStream, table: &Table) -> io::Result<()> {
             }
         }
         OP_ADD => {
-            let key = read_string(stream)?;
+            let key = read_string(stream, MAX_KEY)?;
             let delta = read_u64(stream)? as i64;
-            let mut values = table.lock();
-            let current = values
-                .get(&key)
-                .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
-                .unwrap_or(0);
-            let next = current.wrapping_add(delta);
-            values.insert(key, next.to_string().into_bytes());
-            drop(values);
-            table.changed.notify_all();
-            reply.push(STATUS_OK);
-            reply.extend_from_slice(&(next as u64).to_le_bytes());
+            if delta != 0 && !may_write(&key) {
+                reply = refused(&format!("`{key}` is written by launchers only"));
+            } else {
+                // Read and write under one lock: concurrent adds must not lose a count. An add
+                // of 0 only reads.
+                let mut entries = table.lock();
+                let current = entries
+                    .map
+                    .get(&key)
+                    .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
+                    .unwrap_or(0);
+                let next = current.wrapping_add(delta);
+                if delta != 0 {
+                    let text = next.to_string().into_bytes();
+                    let old = entries.map.get(&key).map_or(0, |v| key.len() + v.len());
+                    entries.bytes = entries.bytes - old + key.len() + text.len();
+                    entries.map.insert(key, text);
+                }
+                drop(entries);
+                table.changed.notify_all();
+                reply.push(STATUS_OK);
+                reply.extend_from_slice(&(next as u64).to_le_bytes());
+            }
         }
         OP_CHECK => {
             let keys = read_keys(stream)?;
-            let values = table.lock();
+            let entries = table.lock();
             reply.push(STATUS_OK);
-            reply.extend(keys.iter().map(|k| u8::from(values.contains_key(k))));
+            reply.extend(keys.iter().map(|k| u8::from(entries.map.contains_key(k))));
         }
         OP_WAIT => {
             let keys = read_keys(stream)?;
@@ -250,14 +480,15 @@ fn read_u64(r: &mut impl Read) -> io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
-fn read_bytes(r: &mut impl Read) -> io::Result<Vec<u8>> {
+/// A length-prefixed field of at most `max` bytes (checked before anything is allocated).
+fn read_bytes(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FIELD {
+    if len > max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "field too large",
+            format!("a field of {len} bytes, more than {max}"),
         ));
     }
     let mut value = vec![0u8; len];
@@ -265,20 +496,25 @@ fn read_bytes(r: &mut impl Read) -> io::Result<Vec<u8>> {
     Ok(value)
 }
 
-fn read_string(r: &mut impl Read) -> io::Result<String> {
-    String::from_utf8(read_bytes(r)?)
+fn read_string(r: &mut impl Read, max: usize) -> io::Result<String> {
+    String::from_utf8(read_bytes(r, max)?)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "key is not UTF-8"))
 }
 
 fn read_keys(r: &mut impl Read) -> io::Result<Vec<String>> {
     let mut count = [0u8; 4];
     r.read_exact(&mut count)?;
-    (0..u32::from_le_bytes(count))
-        .map(|_| read_string(r))
-        .collect()
+    let count = u32::from_le_bytes(count) as usize;
+    if count > MAX_KEYS {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{count} keys in one request, more than {MAX_KEYS}"),
+        ));
+    }
+    (0..count).map(|_| read_string(r, MAX_KEY)).collect()
 }
 
-/// Appends a length-prefixed field. Callers keep fields under [`MAX_FIELD`] (checked in
+/// Appends a length-prefixed field. Callers keep fields under [`MAX_VALUE`] (checked in
 /// [`StoreClient::set`]), so the length fits in a `u32`.
 fn put_bytes(out: &mut Vec<u8>, value: &[u8]) {
     out.extend_from_slice(&(value.len().min(u32::MAX as usize) as u32).to_le_bytes());
@@ -289,6 +525,23 @@ fn put_keys(out: &mut Vec<u8>, keys: &[&str]) {
     out.extend_from_slice(&(keys.len() as u32).to_le_bytes());
     for key in keys {
         put_bytes(out, key.as_bytes());
+    }
+}
+
+/// What a failed handshake with the store at `addr` means, for a process of `job`.
+fn refusal(why: &auth::Refusal, job: &JobIdentity) -> String {
+    match why {
+        auth::Refusal::OtherRun { theirs } => format!(
+            "the store there belongs to run {theirs}, this process to run {}: two jobs share \
+             MASTER_ADDR:MASTER_PORT (give each job its own MASTER_PORT), or the processes of one \
+             job were given different BURN_DDP_RUN_ID values",
+            job.run_id()
+        ),
+        auth::Refusal::NotBurnDdp(what) => format!(
+            "the service at this address is not a burn-ddp rendezvous store ({what}): is \
+             MASTER_PORT the port of another service?"
+        ),
+        other => other.to_string(),
     }
 }
 
@@ -314,13 +567,20 @@ pub struct StoreClient {
 const REPLY_SLACK: Duration = Duration::from_secs(10);
 
 impl StoreClient {
-    /// Connects to the store at `addr` (`host:port`), retrying until `timeout` passes, since the
-    /// server may start after the clients.
+    /// Connects to the store at `addr` (`host:port`, an IPv6 address in brackets) as a process
+    /// of `job` in `role`, retrying until `timeout` passes, since the server may start after the
+    /// clients. The handshake proves the job's key both ways.
     ///
     /// # Errors
-    /// [`DdpError::Store`] when no store answers at `addr` within `timeout`, or `addr` does not
-    /// resolve.
-    pub fn connect(addr: &str, timeout: Duration) -> Result<StoreClient> {
+    /// [`DdpError::Store`] when no store answers at `addr` within `timeout`, `addr` does not
+    /// resolve, the service at `addr` is not a burn-ddp store (naming what it is), the store
+    /// belongs to another run (naming both run ids), or either side does not hold the job's key.
+    pub fn connect(
+        addr: &str,
+        timeout: Duration,
+        job: &JobIdentity,
+        role: Role,
+    ) -> Result<StoreClient> {
         let deadline = Instant::now().checked_add(timeout);
         let mut last_error = String::from("no address");
         loop {
@@ -334,12 +594,29 @@ impl StoreClient {
             };
             for candidate in &resolved {
                 match TcpStream::connect_timeout(candidate, Duration::from_secs(2)) {
-                    Ok(stream) => {
+                    Ok(mut stream) => {
                         let _ = stream.set_nodelay(true);
                         let local_ip = stream
                             .local_addr()
                             .map_err(|e| store_error(addr, "connect", e.to_string()))?
                             .ip();
+                        match auth::connect(
+                            &mut stream,
+                            job,
+                            Service::Store,
+                            role,
+                            b"",
+                            HANDSHAKE_DEADLINE,
+                        ) {
+                            Ok(_) => {}
+                            Err(auth::Refusal::Busy) => {
+                                last_error = "the store is busy with other connections".into();
+                                continue;
+                            }
+                            Err(why) => {
+                                return Err(store_error(addr, "connect", refusal(&why, job)));
+                            }
+                        }
                         return Ok(StoreClient {
                             addr: addr.to_string(),
                             stream: Mutex::new(stream),
@@ -411,16 +688,26 @@ impl StoreClient {
         stream.write_all(request).map_err(fail)?;
         let status = read_u8(&mut *stream).map_err(fail)?;
         let mut body = Vec::new();
-        match (request[0], status) {
-            (OP_GET, STATUS_OK) | (OP_WAIT, STATUS_TIMEOUT) => {
-                body = read_bytes(&mut *stream).map_err(fail)?;
+        match (request.first().copied(), status) {
+            (_, STATUS_REFUSED) => {
+                let why = read_bytes(&mut *stream, MAX_VALUE).map_err(fail)?;
+                return Err(store_error(
+                    &self.addr,
+                    op_name,
+                    format!("refused: {}", String::from_utf8_lossy(&why)),
+                ));
             }
-            (OP_ADD, STATUS_OK) => {
+            (Some(OP_GET), STATUS_OK) | (Some(OP_WAIT), STATUS_TIMEOUT) => {
+                body = read_bytes(&mut *stream, MAX_VALUE).map_err(fail)?;
+            }
+            (Some(OP_ADD), STATUS_OK) => {
                 body = read_u64(&mut *stream).map_err(fail)?.to_le_bytes().to_vec();
             }
-            (OP_CHECK, STATUS_OK) => {
-                let count = u32::from_le_bytes([request[1], request[2], request[3], request[4]]);
-                body = vec![0u8; count as usize];
+            (Some(OP_CHECK), STATUS_OK) => {
+                let count = request
+                    .get(1..5)
+                    .map_or(0, |c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                body = vec![0u8; (count as usize).min(MAX_KEYS)];
                 stream.read_exact(&mut body).map_err(fail)?;
             }
             _ => {}
@@ -433,12 +720,13 @@ impl StoreClient {
     /// # Errors
     /// [`DdpError::Store`] when the store cannot be reached.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        if value.len() > MAX_FIELD || key.len() > MAX_FIELD {
+        if value.len() > MAX_VALUE || key.len() > MAX_KEY {
             return Err(store_error(
                 &self.addr,
                 &format!("set `{key}`"),
                 format!(
-                    "values are limited to {MAX_FIELD} bytes, got {}",
+                    "keys are limited to {MAX_KEY} bytes and values to {MAX_VALUE}, got {} and {}",
+                    key.len(),
                     value.len()
                 ),
             ));
@@ -479,8 +767,12 @@ impl StoreClient {
         put_bytes(&mut request, key.as_bytes());
         request.extend_from_slice(&(delta as u64).to_le_bytes());
         let (_, body) = self.request(&format!("add `{key}`"), &request, Duration::ZERO)?;
-        let mut word = [0u8; 8];
-        word.copy_from_slice(&body[..8]);
+        let word: [u8; 8] = body
+            .get(..8)
+            .and_then(|w| w.try_into().ok())
+            .ok_or_else(|| {
+                store_error(&self.addr, &format!("add `{key}`"), "a short reply".into())
+            })?;
         Ok(u64::from_le_bytes(word) as i64)
     }
 
@@ -527,11 +819,35 @@ mod tests {
     use super::*;
 
     fn server() -> StoreServer {
-        StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap()
+        StoreServer::bind("127.0.0.1:0".parse().unwrap(), &crate::auth::test_job()).unwrap()
     }
 
     fn client(server: &StoreServer) -> StoreClient {
-        StoreClient::connect(&server.local_addr().to_string(), Duration::from_secs(5)).unwrap()
+        StoreClient::connect(
+            &server.local_addr().to_string(),
+            Duration::from_secs(5),
+            &crate::auth::test_job(),
+            crate::auth::Role::Worker,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_store_binds_the_address_it_is_reached_at_unless_that_cannot_serve_the_job() {
+        let bind = |host: &str, several_nodes| {
+            bind_address(host, 29_500, several_nodes)
+                .unwrap()
+                .to_string()
+        };
+        // One node: loopback stays loopback (no other host can reach the store).
+        assert_eq!(bind("127.0.0.1", false), "127.0.0.1:29500");
+        assert_eq!(bind("[::1]", false), "[::1]:29500");
+        // Several nodes reach a store whose own host name resolves to loopback by another name.
+        assert_eq!(bind("127.0.0.1", true), "0.0.0.0:29500");
+        assert_eq!(bind("::1", true), "[::]:29500");
+        // An address of another host (TEST-NET-1): it cannot be bound here.
+        assert_eq!(bind("192.0.2.1", false), "0.0.0.0:29500");
+        assert!(bind_address("no-such-host.invalid", 29_500, false).is_err());
     }
 
     #[test]
@@ -553,7 +869,13 @@ mod tests {
         let server = server();
         let addr = server.local_addr().to_string();
         let setter = thread::spawn(move || {
-            let c = StoreClient::connect(&addr, Duration::from_secs(5)).unwrap();
+            let c = StoreClient::connect(
+                &addr,
+                Duration::from_secs(5),
+                &crate::auth::test_job(),
+                crate::auth::Role::Worker,
+            )
+            .unwrap();
             thread::sleep(Duration::from_millis(200));
             c.set("late", b"v").unwrap();
         });
@@ -588,7 +910,7 @@ mod tests {
     #[test]
     fn a_port_in_use_is_named() {
         let server = server();
-        let err = StoreServer::bind(server.local_addr())
+        let err = StoreServer::bind(server.local_addr(), &crate::auth::test_job())
             .err()
             .unwrap()
             .to_string();
@@ -608,11 +930,172 @@ mod tests {
             .unwrap()
             .port();
         let started = Instant::now();
-        let err = StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(500))
+        let err = StoreClient::connect(
+            &format!("127.0.0.1:{port}"),
+            Duration::from_millis(500),
+            &crate::auth::test_job(),
+            crate::auth::Role::Worker,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("no store answered within 0.5 s"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    fn connect_as(server: &StoreServer, job: &JobIdentity, role: Role) -> Result<StoreClient> {
+        StoreClient::connect(
+            &server.local_addr().to_string(),
+            Duration::from_secs(2),
+            job,
+            role,
+        )
+    }
+
+    #[test]
+    fn strangers_and_other_runs_are_refused_and_the_job_goes_on() {
+        let server = server();
+        let member = client(&server);
+        member.set("secret", b"value").unwrap();
+        // Another token: refused, learns nothing.
+        let stranger = JobIdentity::new("unit-tests", Some(b"guess")).unwrap();
+        let err = connect_as(&server, &stranger, Role::Worker)
             .err()
             .unwrap()
             .to_string();
-        assert!(err.contains("no store answered within 0.5 s"), "{err}");
-        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(err.contains("authentication failed"), "{err}");
+        // Another run: named, with both ids.
+        let other = JobIdentity::new("job-b", Some(b"unit-test token")).unwrap();
+        let err = connect_as(&server, &other, Role::Worker)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("belongs to run unit-tests") && err.contains("this process to run job-b"),
+            "{err}"
+        );
+        // Raw bytes without the handshake: the server closes the connection, keeps serving.
+        let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+        let _ = raw.write_all(&[OP_GET, 6, 0, 0, 0]);
+        let _ = raw.write_all(b"secret");
+        raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut seen = Vec::new();
+        let _ = raw.read_to_end(&mut seen);
+        assert!(!seen.windows(5).any(|w| w == b"value"), "the value leaked");
+        assert_eq!(
+            member.get("secret", Duration::from_secs(1)).unwrap(),
+            b"value"
+        );
+    }
+
+    #[test]
+    fn only_launchers_write_the_launcher_keys() {
+        let server = server();
+        let worker = client(&server);
+        let launcher = connect_as(&server, &crate::auth::test_job(), Role::Launcher).unwrap();
+        let round = format!("{LAUNCHER_PREFIX}round");
+        let err = worker.add(&round, 1).unwrap_err().to_string();
+        assert!(err.contains("written by launchers only"), "{err}");
+        assert!(worker.set(&round, b"7").is_err());
+        assert_eq!(launcher.add(&round, 1).unwrap(), 1);
+        // Workers read it, and members write the abort keys.
+        assert_eq!(worker.add(&round, 0).unwrap(), 1);
+        worker.set("burn-ddp/round-0/abort", b"why").unwrap();
+    }
+
+    #[test]
+    fn sizes_are_bounded_and_a_non_store_service_is_named() {
+        let server = server();
+        let c = client(&server);
+        let err = c
+            .set("big", &vec![0u8; MAX_VALUE + 1])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("limited to"), "{err}");
+        // A service that is not a store answers something else: named at once.
+        let other = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = other.local_addr().unwrap();
+        let serving = thread::spawn(move || {
+            if let Ok((mut stream, _)) = other.accept() {
+                let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+            }
+        });
+        let started = Instant::now();
+        let err = StoreClient::connect(
+            &addr.to_string(),
+            Duration::from_secs(30),
+            &crate::auth::test_job(),
+            Role::Worker,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("not a burn-ddp rendezvous store"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        serving.join().unwrap();
+    }
+
+    #[test]
+    fn idle_connections_do_not_keep_the_job_out() {
+        let server = server();
+        // More idle connections than may be in their handshake at once.
+        let idle: Vec<TcpStream> = (0..MAX_HANDSHAKES + 16)
+            .filter_map(|_| TcpStream::connect(server.local_addr()).ok())
+            .collect();
+        let started = Instant::now();
+        // Within the handshake deadline the slots free up and the job's process gets in.
+        let c = StoreClient::connect(
+            &server.local_addr().to_string(),
+            Duration::from_secs(20),
+            &crate::auth::test_job(),
+            Role::Worker,
+        );
+        assert!(c.is_ok(), "{:?}", c.err());
+        assert!(
+            started.elapsed() < HANDSHAKE_DEADLINE * 3,
+            "{:?}",
+            started.elapsed()
+        );
+        drop(idle);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: std::env::var("BURN_DDP_FUZZ_CASES")
+                .ok()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(24),
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Random and truncated frames, before and after the handshake: the server neither
+        /// panics nor allocates beyond its bounds, and keeps serving the job.
+        #[test]
+        fn random_frames_never_stop_the_store(
+            before in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            after in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            op in 0u8..8,
+            claimed_len in proptest::prelude::any::<u32>(),
+        ) {
+            let server = server();
+            let member = client(&server);
+            member.set("k", b"v").unwrap();
+            // Garbage instead of a handshake.
+            if let Ok(mut raw) = TcpStream::connect(server.local_addr()) {
+                let _ = raw.write_all(&before);
+            }
+            // A member's session, then a frame with a random operation and claimed length.
+            if let Ok(mut raw) = TcpStream::connect(server.local_addr()) {
+                let job = crate::auth::test_job();
+                if auth::connect(&mut raw, &job, Service::Store, Role::Worker, b"", HANDSHAKE_DEADLINE).is_ok() {
+                    let mut frame = vec![op];
+                    frame.extend_from_slice(&claimed_len.to_le_bytes());
+                    frame.extend_from_slice(&after);
+                    let _ = raw.write_all(&frame);
+                }
+            }
+            proptest::prop_assert_eq!(member.get("k", Duration::from_secs(2)).unwrap(), b"v".to_vec());
+            proptest::prop_assert!(client(&server).check(&["k"]).unwrap()[0]);
+        }
     }
 }

@@ -49,6 +49,10 @@ pub enum TopologySource {
     OpenMpi,
 }
 
+/// The most processes a job may have (a bound on what a malformed `WORLD_SIZE` makes the
+/// rendezvous allocate).
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
 /// This process's place in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topology {
@@ -212,6 +216,12 @@ impl Topology {
         if world_size == 0 {
             return Err(topology_error(format!(
                 "{world_var}=0: a job needs at least one process"
+            )));
+        }
+        if world_size > MAX_WORLD_SIZE {
+            return Err(topology_error(format!(
+                "{world_var}={world_size} is more than burn-ddp supports ({MAX_WORLD_SIZE} \
+                 processes): is the variable right?"
             )));
         }
         if rank >= world_size {

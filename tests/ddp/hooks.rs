@@ -126,8 +126,10 @@ fn sixteen_bit_compression_trains_within_its_rounding_on_host_groups() {
                 report.unwrap().ranks[0].comm.bytes,
                 exact_report.as_ref().unwrap().ranks[0].comm.bytes,
             );
+            // Half the gradients' bytes; on this tiny model (676 values) a step's bookkeeping,
+            // sent in f32 (a presence flag per parameter, 50 control words), is a tenth of it.
             assert!(
-                (bytes as f64) < 0.6 * exact_bytes as f64,
+                (bytes as f64) < 0.65 * exact_bytes as f64,
                 "{compression:?}, tcp {tcp}: {bytes} bytes sent, {exact_bytes} in f32"
             );
         }

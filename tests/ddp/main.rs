@@ -15,4 +15,5 @@ mod oracle;
 mod processes;
 mod replicas;
 mod sampling;
+mod security;
 mod semantics;

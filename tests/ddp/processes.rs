@@ -12,7 +12,10 @@ use burn_ddp::advanced::launch::{LaunchConfig, launch};
 use burn_ddp::advanced::store::StoreServer;
 use burn_ddp::advanced::{ReplicaLayout, TensorKind};
 use burn_ddp::{DdpConfig, DdpError};
-use burn_ddp_tests::{ExampleCnn, TestBackend, clean_env, device, read_tensors, train_example_cnn};
+use burn_ddp_tests::{
+    ExampleCnn, TestBackend, clean_env, device, read_tensors, test_job, train_example_cnn,
+    with_test_job,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp-worker");
 
@@ -20,7 +23,7 @@ const WORKER: &str = env!("CARGO_BIN_EXE_ddp-worker");
 /// (asking for a free port and binding it later races with other tests); workers started with
 /// [`spawn_worker`] use it.
 fn store() -> (StoreServer, u16) {
-    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), &test_job()).unwrap();
     let port = server.local_addr().port();
     (server, port)
 }
@@ -43,7 +46,7 @@ fn worker_config(n: usize, args: &[&str]) -> LaunchConfig {
 /// Starts one worker directly (no launcher) with the given rank environment, meeting the others
 /// through the test's store at `port`.
 fn spawn_worker(rank: usize, world_size: usize, port: u16, args: &[&str]) -> Child {
-    clean_env(&mut Command::new(WORKER))
+    with_test_job(clean_env(&mut Command::new(WORKER)))
         .args(args)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world_size.to_string())
@@ -371,11 +374,14 @@ impl Hosts {
         port: u16,
         args: &[&str],
     ) -> Child {
-        clean_env(&mut Command::new("ip"))
+        with_test_job(clean_env(&mut Command::new("ip")))
             .args(["netns", "exec", &self.names[host], WORKER])
             .args(args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", "2")
+            // One process on each host (the store of a job on several hosts serves them all).
+            .env("LOCAL_RANK", "0")
+            .env("LOCAL_WORLD_SIZE", "1")
             .env("MASTER_ADDR", master)
             .env("MASTER_PORT", port.to_string())
             .stdout(Stdio::piped())

@@ -171,8 +171,11 @@ fn two_process_run_of(
     nan: bool,
 ) -> Vec<Result<burn_ddp_tests::Trained, DdpError>> {
     // The store is the test's, on a port the system picked, as a launcher would serve it.
-    let store =
-        burn_ddp::advanced::store::StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let store = burn_ddp::advanced::store::StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        &burn_ddp_tests::test_job(),
+    )
+    .unwrap();
     let port = store.local_addr().port();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
@@ -194,6 +197,7 @@ fn two_process_run_of(
                     };
                     let options = TcpGroupOptions {
                         connect_timeout: Duration::from_secs(30),
+                        job: Some(burn_ddp_tests::test_job()),
                     };
                     let group: Arc<dyn ProcessGroup> =
                         Arc::new(TcpGroup::connect(&topology, &options)?);
@@ -443,6 +447,8 @@ fn a_truncated_newest_checkpoint_is_passed_over_and_the_run_resumes_from_the_one
     let dir = scratch("truncated");
     run.artifacts = Some(dir.clone());
     run.epochs = 2;
+    // One job, restarted: both attempts carry the same run id (a launcher's or Slurm's).
+    run.config = DdpConfig::default().with_run_id("truncated");
     run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run).unwrap();
     // ... whose newest checkpoint lost its end (a crash while it was copied, a full disk).
     let newest = dir.join("checkpoint/model-2.mpk");
@@ -451,7 +457,9 @@ fn a_truncated_newest_checkpoint_is_passed_over_and_the_run_resumes_from_the_one
     // Resumed from the newest complete checkpoint: epoch 1's, so epochs 2 and 3 are trained
     // again, and end exactly where the uninterrupted run did.
     run.epochs = 3;
-    run.config = DdpConfig::default().with_resume(true);
+    run.config = DdpConfig::default()
+        .with_run_id("truncated")
+        .with_resume(true);
     let (resumed, report) = run_training(
         materialized(Mlp::new(&device())),
         AdamConfig::new().init(),

@@ -439,6 +439,8 @@ pub struct Run {
     pub resume_after: Option<usize>,
     /// Every checkpoint file takes this long to write (a slow disk).
     pub slow_checkpoints: Option<std::time::Duration>,
+    /// Every checkpoint write fails (a full disk).
+    pub failing_checkpoints: bool,
     /// Records what burn-train's renderer sees (with accuracy and loss metrics); `None`: silent.
     pub recording: Option<Recording>,
     /// Validation items (default: `samples`, at most 64).
@@ -478,6 +480,7 @@ impl Run {
             artifacts: None,
             resume_after: None,
             slow_checkpoints: None,
+            failing_checkpoints: false,
             recording: None,
             valid_samples: None,
             valid_batch: 32,
@@ -684,6 +687,7 @@ where
         + 'static,
     M::InnerModule: InferenceStep<Output = ClassificationOutput<NdArray>>,
     <M::InnerModule as InferenceStep>::Input: Clone + core::fmt::Debug,
+    <M as TrainStep>::Input: Clone + core::fmt::Debug,
     O: Optimizer<M, TestBackend> + 'static,
     S: LrScheduler + 'static,
     I: Send + Sync + Clone + core::fmt::Debug + 'static,
@@ -709,18 +713,27 @@ where
     if run.config.uneven_inputs() == UnevenInputs::Join || run.uneven_shards {
         sampler = sampler.with_uneven_shards();
     }
-    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> = Arc::new(
-        DistributedDataLoader::new(
-            Arc::new(InMemDataset::new(train)),
-            batcher.clone(),
-            sampler,
-            run.global_batch / world_size,
-            device,
-        )?
-        .with_num_workers(run.loader_workers),
-        // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows burn-train's
-        // epoch, which `checkpoint(epoch)` sets.
-    );
+    let one_device = run.group.is_none() && run.replicas.is_none() && run.from_env.is_none();
+    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> =
+        if one_device && !run.shuffle {
+            // The reference in the dataset's order: Burn's own loader, nothing of burn-ddp's.
+            burn::data::dataloader::DataLoaderBuilder::new(batcher.clone())
+                .batch_size(run.global_batch)
+                .build(InMemDataset::new(train))
+        } else {
+            Arc::new(
+                DistributedDataLoader::new(
+                    Arc::new(InMemDataset::new(train)),
+                    batcher.clone(),
+                    sampler,
+                    run.global_batch / world_size,
+                    device,
+                )?
+                .with_num_workers(run.loader_workers),
+                // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows
+                // burn-train's epoch, which `checkpoint(epoch)` sets.
+            )
+        };
     let valid_loader: Arc<dyn DataLoader<NdArray, <M::InnerModule as InferenceStep>::Input>> =
         match run.valid {
             ValidKind::Distributed => Arc::new(DistributedDataLoader::new(
@@ -771,13 +784,14 @@ where
     };
     if run.early_stopping {
         use burn::train::metric::store::{Aggregate, Direction, Split};
-        training = training.early_stopping(burn::train::MetricEarlyStoppingStrategy::new(
+        let strategy = burn::train::MetricEarlyStoppingStrategy::new(
             &burn::train::metric::LossMetric::<TestBackend>::new(),
             Aggregate::Mean,
             Direction::Lowest,
             Split::Valid,
             burn::train::StoppingCondition::NoImprovementSince { n_epochs: 1 },
-        ));
+        );
+        training = training.early_stopping(strategy);
     }
     if let Some(k) = run.grad_accumulation {
         training = training.grads_accumulation(k);
@@ -786,6 +800,7 @@ where
         let recorder = SlowRecorder {
             inner: AtomicRecorder::new(NamedMpkFileRecorder::<FullPrecisionSettings>::new()),
             delay: run.slow_checkpoints.unwrap_or_default(),
+            fail: run.failing_checkpoints,
         };
         training = training
             .with_file_checkpointer(recorder)
@@ -806,6 +821,7 @@ where
             vec![device; replicas.unwrap_or(1)],
             &burn_ddp::group::TcpGroupOptions {
                 connect_timeout: run.from_env.unwrap_or_default(),
+                job: None,
             },
         )?,
         (None, Some(n)) => DdpStrategy::new(vec![device; n]),
@@ -919,11 +935,13 @@ where
     }
 }
 
-/// A file recorder that waits `delay` before every write (a slow disk), then writes with `inner`.
+/// A file recorder that waits `delay` before every write (a slow disk), then writes with `inner`,
+/// or fails every write when `fail` (a full disk).
 #[derive(Debug, Clone, Default)]
 pub struct SlowRecorder<R> {
     inner: R,
     delay: std::time::Duration,
+    fail: bool,
 }
 
 impl<B: burn::tensor::backend::Backend, R: burn::record::FileRecorder<B>> burn::record::Recorder<B>
@@ -940,6 +958,12 @@ impl<B: burn::tensor::backend::Backend, R: burn::record::FileRecorder<B>> burn::
         file: std::path::PathBuf,
     ) -> Result<(), burn::record::RecorderError> {
         std::thread::sleep(self.delay);
+        if self.fail {
+            return Err(burn::record::RecorderError::Unknown(format!(
+                "cannot write {}: no space left on device (the test's full disk)",
+                file.display()
+            )));
+        }
         self.inner.save_item(item, file)
     }
 
@@ -1380,6 +1404,25 @@ pub fn clean_env(command: &mut std::process::Command) -> &mut std::process::Comm
     command
 }
 
+/// The job identity of the tests' multi-process jobs (run id and token, as a user sets them by
+/// hand for Slurm or mpirun).
+pub fn test_job() -> burn_ddp::advanced::auth::JobIdentity {
+    burn_ddp::advanced::auth::JobIdentity::new(TEST_RUN_ID, Some(TEST_TOKEN.as_bytes()))
+        .expect("a valid identity")
+}
+
+/// The run id of [`test_job`].
+pub const TEST_RUN_ID: &str = "burn-ddp-tests";
+/// The token of [`test_job`].
+pub const TEST_TOKEN: &str = "burn-ddp tests token";
+
+/// Gives a worker process started by hand (not by the launcher) the tests' job identity.
+pub fn with_test_job(command: &mut std::process::Command) -> &mut std::process::Command {
+    command
+        .env(burn_ddp::advanced::auth::RUN_ID_VAR, TEST_RUN_ID)
+        .env(burn_ddp::advanced::auth::JOB_TOKEN_VAR, TEST_TOKEN)
+}
+
 /// Rank `rank`'s `i`-th input in the collective tests (exact in `f32`, different per rank).
 pub fn collective_input(rank: usize, i: usize) -> f32 {
     ((rank * 31 + i * 7) % 97) as f32 * 0.37 - 11.0
@@ -1436,9 +1479,11 @@ pub fn over_tcp<T: Send>(
     use burn_ddp::TcpGroup;
     use burn_ddp::advanced::topology::{Topology, TopologySource};
     use burn_ddp::group::TcpGroupOptions;
-    let store =
-        burn_ddp::advanced::store::StoreServer::bind("127.0.0.1:0".parse().expect("an address"))
-            .expect("a store on loopback");
+    let store = burn_ddp::advanced::store::StoreServer::bind(
+        "127.0.0.1:0".parse().expect("an address"),
+        &test_job(),
+    )
+    .expect("a store on loopback");
     let port = store.local_addr().port();
     let f = &f;
     std::thread::scope(|s| {
@@ -1460,6 +1505,7 @@ pub fn over_tcp<T: Send>(
                         };
                         let options = TcpGroupOptions {
                             connect_timeout: std::time::Duration::from_secs(30),
+                            job: Some(test_job()),
                         };
                         let group: Arc<dyn ProcessGroup> =
                             Arc::new(TcpGroup::connect(&topology, &options)?);

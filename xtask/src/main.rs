@@ -1,9 +1,10 @@
 //! Project chores, run with `cargo xtask <command>` (an alias in `.cargo/config.toml`), so they
 //! need nothing but cargo.
 //!
-//! - `cargo xtask example fashion-mnist [--features cuda] -- [ARGS]`: builds the example in
-//!   release mode and runs it with ARGS; with `--device cuda` in ARGS (or xtask's own `cuda`
-//!   feature) the example is built with its `cuda` feature.
+//! - `cargo xtask example fashion-mnist [--bin custom-loop] [--features cuda] -- [ARGS]`: builds
+//!   the example in release mode and runs it (its binary of the same name, or `--bin`) with ARGS;
+//!   with `--device cuda` in ARGS (or xtask's own `cuda` feature) the example is built with its
+//!   `cuda` feature.
 //! - `cargo xtask bench [--features mpi] [-- --long --out DIR]`: the benchmark, in release mode.
 //! - `cargo xtask gpu-check [--out DIR]`: builds the `gpu-check` binary and the Fashion-MNIST
 //!   example with CUDA (release, stripped, gzipped) and writes them to DIR (default
@@ -11,8 +12,8 @@
 //!   GPU and no Rust toolchain (see README).
 //! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
 //!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
-//!   example's name (`fashion-mnist`), builds it too and runs that binary (with its `cuda`
-//!   feature when the program's arguments say `--device cuda`).
+//!   example's binary (`fashion-mnist`, `custom-loop`), builds it too and runs that binary (with
+//!   its `cuda` feature when the program's arguments say `--device cuda`).
 
 use std::process::{Command, ExitCode};
 
@@ -47,6 +48,10 @@ enum Task {
     Example {
         /// The example: `fashion-mnist`.
         name: String,
+        /// The example's binary to run (default: the one named after the example;
+        /// `custom-loop`: the Fashion-MNIST training loop written by hand).
+        #[arg(long)]
+        bin: Option<String>,
         /// Cargo features of the example (e.g. `cuda`).
         #[arg(long)]
         features: Option<String>,
@@ -56,7 +61,16 @@ enum Task {
     },
 }
 
-const EXAMPLES: &[&str] = &["fashion-mnist"];
+/// The examples' packages and the binaries a user runs (the package's namesake first).
+const EXAMPLES: &[(&str, &[&str])] = &[("fashion-mnist", &["fashion-mnist", "custom-loop"])];
+
+/// The example package that holds binary `program`.
+fn package_of(program: &str) -> Option<&'static str> {
+    EXAMPLES
+        .iter()
+        .find(|(_, bins)| bins.contains(&program))
+        .map(|(package, _)| *package)
+}
 
 fn main() -> ExitCode {
     // `launch` passes its options through to the launcher untouched, so it bypasses clap.
@@ -77,31 +91,40 @@ fn main() -> ExitCode {
         Task::GpuCheck { out } => gpu_check(&out),
         Task::Example {
             name,
+            bin,
             features,
             args,
         } => {
-            if !EXAMPLES.contains(&name.as_str()) {
+            let bin = bin.unwrap_or_else(|| name.clone());
+            let Some(bins) = EXAMPLES.iter().find(|(p, _)| *p == name).map(|(_, b)| b) else {
+                let names: Vec<&str> = EXAMPLES.iter().map(|(p, _)| *p).collect();
+                eprintln!("unknown example `{name}`; examples: {}", names.join(", "));
+                return ExitCode::FAILURE;
+            };
+            if !bins.contains(&bin.as_str()) {
                 eprintln!(
-                    "unknown example `{name}`; examples: {}",
-                    EXAMPLES.join(", ")
+                    "example `{name}` has no binary `{bin}`; binaries: {}",
+                    bins.join(", ")
                 );
                 return ExitCode::FAILURE;
             }
             let mut cargo = cargo();
-            // `--bin`: an example package may hold other binaries (`gpu-check` beside
-            // `fashion-mnist`); the example is the binary of its own name.
-            cargo.args(["run", "--release", "--package", &name, "--bin", &name]);
+            // `--bin`: an example package holds several binaries (`custom-loop`, `gpu-check`
+            // beside `fashion-mnist`).
+            cargo.args(["run", "--release", "--package", &name, "--bin", &bin]);
+            // burn-ddp with the features `cargo xtask launch` builds it with, so switching
+            // between the two commands does not rebuild burn-ddp and the example each time.
+            let mut wanted = vec!["burn-ddp/launcher".to_string()];
             match features {
-                Some(features) => {
-                    cargo.args(["--features", &features]);
-                }
+                Some(features) => wanted.push(features),
                 // `--device cuda` needs the example's `cuda` feature: add it when not given
                 // (always, when xtask itself is built with its `cuda` feature).
                 None if cfg!(feature = "cuda") || wants_cuda(&args) => {
-                    cargo.args(["--features", "cuda"]);
+                    wanted.push("cuda".into());
                 }
                 None => {}
             }
+            cargo.args(["--features", &wanted.join(",")]);
             cargo.arg("--").args(&args);
             run(cargo)
         }
@@ -293,14 +316,14 @@ fn launch(args: &[String]) -> ExitCode {
         "--features",
         "burn-ddp/launcher",
     ]);
-    let example = EXAMPLES.contains(&program.as_str());
+    let example = package_of(program);
     if features.is_none() && (cfg!(feature = "cuda") || wants_cuda(program_args)) {
         features = Some("cuda".into());
     }
-    if example {
-        build.args(["--package", program]);
+    if let Some(package) = example {
+        build.args(["--package", package]);
         if let Some(features) = &features {
-            build.args(["--features", &format!("{program}/{features}")]);
+            build.args(["--features", &format!("{package}/{features}")]);
         }
     }
     let built = run(build);
@@ -310,7 +333,7 @@ fn launch(args: &[String]) -> ExitCode {
     let release = target_dir().join("release");
     let mut launcher = Command::new(release.join("burn-ddp"));
     launcher.arg("run").args(&options).arg("--");
-    if example {
+    if example.is_some() {
         launcher.arg(release.join(program));
     } else {
         launcher.arg(program);

@@ -9,7 +9,6 @@
 //! SIGKILL after a grace period) and either restarts the whole group (`max_restarts`) or returns
 //! an error naming the rank and how it ended.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
@@ -17,6 +16,7 @@ use std::time::{Duration, Instant};
 mod output;
 mod supervise;
 
+use crate::auth::{JOB_TOKEN_VAR, JobIdentity, Role, Secret};
 use crate::store::{StoreClient, StoreServer};
 use crate::topology::DEFAULT_MASTER_PORT;
 use crate::{DdpError, Result};
@@ -51,6 +51,9 @@ pub struct LaunchConfig {
     pub args: Vec<String>,
     /// Extra environment variables for the workers.
     pub env: Vec<(String, String)>,
+    /// The job's identity (run id and token); `None` (the default): [`LaunchConfig::job`] makes
+    /// it from the environment.
+    pub job: Option<JobIdentity>,
 }
 
 impl LaunchConfig {
@@ -69,12 +72,31 @@ impl LaunchConfig {
             program: program.into(),
             args,
             env: Vec::new(),
+            job: None,
         }
     }
 
     /// Number of workers in the whole job.
     pub fn world_size(&self) -> usize {
         self.nnodes * self.nproc_per_node
+    }
+
+    /// The job's identity: [`LaunchConfig::job`] when set, else `BURN_DDP_JOB_TOKEN` and
+    /// `BURN_DDP_RUN_ID` when set; on a single
+    /// node a random token and run id otherwise (the launcher hands them to its workers); on
+    /// several nodes without a token, no secret (a warning says so) and a run id from the store's
+    /// address, which every node's launcher computes alike.
+    ///
+    /// # Errors
+    /// As [`JobIdentity::for_launcher`].
+    pub fn job(&self) -> Result<JobIdentity> {
+        if let Some(job) = &self.job {
+            return Ok(job.clone());
+        }
+        JobIdentity::for_launcher(
+            self.nnodes == 1,
+            &crate::store::host_port(&self.master_addr, self.master_port),
+        )
     }
 
     fn validate(&self) -> Result<()> {
@@ -195,17 +217,17 @@ impl AttemptReport {
 /// started.
 pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
     config.validate()?;
+    let job = config.job()?;
     // Node 0 serves the store for the whole job, restarts included (port 0: any free port, which
-    // then goes to the workers).
+    // then goes to the workers), on the address the store is reached at.
     let server = if config.node_rank == 0 {
-        Some(StoreServer::bind(SocketAddr::new(
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            config.master_port,
-        ))?)
+        let bind =
+            crate::store::bind_address(&config.master_addr, config.master_port, config.nnodes > 1)?;
+        Some(StoreServer::bind(bind, &job)?)
     } else {
         None
     };
-    run_job(config, server)
+    run_job(config, server, job)
 }
 
 /// [`launch`] on node 0 with a store `server` the caller already serves (bound to port 0, say,
@@ -221,17 +243,32 @@ pub fn launch_with_store(config: &LaunchConfig, server: StoreServer) -> Result<V
             config.node_rank
         )));
     }
-    run_job(config, Some(server))
+    let job = server.job().clone();
+    run_job(config, Some(server), job)
 }
 
-fn run_job(config: &LaunchConfig, server: Option<StoreServer>) -> Result<Vec<AttemptReport>> {
+fn run_job(
+    config: &LaunchConfig,
+    server: Option<StoreServer>,
+    job: JobIdentity,
+) -> Result<Vec<AttemptReport>> {
     let master_port = server
         .as_ref()
         .map_or(config.master_port, |s| s.local_addr().port());
     let store = StoreClient::connect(
-        &format!("{}:{master_port}", config.master_addr),
+        &crate::store::host_port(&config.master_addr, master_port),
         Duration::from_secs(300),
+        &job,
+        Role::Launcher,
     )?;
+    if job.secret() == Secret::None {
+        eprintln!(
+            "burn-ddp: warning: no job token ({JOB_TOKEN_VAR}): the store at {} accepts any \
+             process that reaches its port; set {JOB_TOKEN_VAR} to the same secret on every \
+             node",
+            crate::store::host_port(&config.master_addr, master_port)
+        );
+    }
     if let Some(dir) = &config.log_dir {
         std::fs::create_dir_all(dir).map_err(|e| {
             DdpError::Launch(format!(
@@ -248,7 +285,7 @@ fn run_job(config: &LaunchConfig, server: Option<StoreServer>) -> Result<Vec<Att
         // Every node's launcher runs the round the store says; a node whose workers fail starts
         // the next round, and the others follow when they see it.
         let attempt = store.add(ROUND_KEY, 0)? as u32;
-        let report = run_attempt(config, master_port, attempt, &store)?;
+        let report = run_attempt(config, master_port, attempt, &store, &job)?;
         let failure = match (report.first_failure, report.other_node) {
             (Some((rank, pid, how)), _) => Some(Failure::Worker(rank, pid, how)),
             (None, Some(round)) => Some(Failure::OtherNode(round)),
@@ -350,7 +387,8 @@ mod tests {
             2,
         );
         config.log_dir = Some(dir.clone());
-        let server = StoreServer::bind("0.0.0.0:0".parse().unwrap()).unwrap();
+        let server =
+            StoreServer::bind("0.0.0.0:0".parse().unwrap(), &crate::auth::test_job()).unwrap();
         let port = server.local_addr().port();
         let reports = launch_with_store(&config, server).unwrap();
         assert_eq!(reports.len(), 1);
@@ -438,7 +476,8 @@ mod tests {
         // Two launchers (nodes) of one worker each. Node 1's worker fails in round 0; node 0's
         // would sleep for a minute: its launcher must see the new round, stop it and restart.
         // Node 0's store on a port the system picked, known before node 1 starts.
-        let server = StoreServer::bind("0.0.0.0:0".parse().unwrap()).unwrap();
+        let server =
+            StoreServer::bind("0.0.0.0:0".parse().unwrap(), &crate::auth::test_job()).unwrap();
         let port = server.local_addr().port();
         // Node 1's worker fails only once node 0's worker runs round 0 (a marker file, waited
         // for at most 30 s): on a loaded machine node 0's launcher could otherwise start after
@@ -457,6 +496,8 @@ mod tests {
         );
         let node = |node_rank: usize| {
             let mut config = sh(&script, 1);
+            // Two launchers of one job share its token (set by hand on every node).
+            config.job = Some(crate::auth::test_job());
             config.nnodes = 2;
             config.node_rank = node_rank;
             config.master_port = port;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::output::pump;
 use super::{AttemptReport, LaunchConfig, ROUND_KEY, WorkerExit};
+use crate::auth::{JOB_TOKEN_VAR, JobIdentity};
 use crate::store::StoreClient;
 use crate::topology::{AGENT_STORE_VAR, LAUNCHER_VAR, RESTART_COUNT_VAR};
 use crate::{DdpError, Result};
@@ -47,6 +48,7 @@ pub(super) fn run_attempt(
     master_port: u16,
     attempt: u32,
     store: &StoreClient,
+    job: &JobIdentity,
 ) -> Result<AttemptReport> {
     let world_size = config.world_size();
     let ranks: Vec<usize> = (0..config.nproc_per_node)
@@ -86,6 +88,10 @@ pub(super) fn run_attempt(
             .env(LAUNCHER_VAR, "1")
             .env(AGENT_STORE_VAR, "1")
             .env(RESTART_COUNT_VAR, attempt.to_string())
+            // The run id and the workers' key, never the token: workers cannot act as
+            // launchers.
+            .env_remove(JOB_TOKEN_VAR)
+            .envs(job.worker_env())
             .envs(config.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

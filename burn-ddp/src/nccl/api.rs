@@ -504,14 +504,27 @@ mod tests {
     fn unique_ids_travel_through_the_rendezvous_store() {
         use crate::store::{StoreClient, StoreServer};
         use std::time::Duration;
-        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().unwrap(), &crate::auth::test_job()).unwrap();
         let addr = server.local_addr().to_string();
-        let client = StoreClient::connect(&addr, Duration::from_secs(10)).unwrap();
+        let client = StoreClient::connect(
+            &addr,
+            Duration::from_secs(10),
+            &crate::auth::test_job(),
+            crate::auth::Role::Worker,
+        )
+        .unwrap();
         let id = NcclUniqueId {
             bytes: std::array::from_fn(|i| (255 - i) as u8),
         };
         id.publish(&client, "nccl/0").unwrap();
-        let other = StoreClient::connect(&addr, Duration::from_secs(10)).unwrap();
+        let other = StoreClient::connect(
+            &addr,
+            Duration::from_secs(10),
+            &crate::auth::test_job(),
+            crate::auth::Role::Worker,
+        )
+        .unwrap();
         assert_eq!(
             NcclUniqueId::read(&other, "nccl/0", Duration::from_secs(10)).unwrap(),
             id

@@ -320,10 +320,23 @@ impl Reducer {
         }
         // Whatever is left belongs to no tensor this rank's model trains.
         let unknown = grads.len();
+        if options.words.len() > ReduceOptions::MAX_WORDS {
+            return Err(self.fail_bucket(
+                0,
+                format!(
+                    "{} words of the caller's, more than ReduceOptions::MAX_WORDS ({})",
+                    options.words.len(),
+                    ReduceOptions::MAX_WORDS
+                ),
+            ));
+        }
+        // Always the same number of words, whatever a rank passes: the buckets stay alike.
+        let mut words = options.words.clone();
+        words.resize(ReduceOptions::MAX_WORDS, 0.0);
         let control = Control {
             trainable_changed: f32::from(u8::from(changes.trainable_changed)),
             structure_changed: f32::from(u8::from(changes.structure_changed || unknown > 0)),
-            words: options.words.clone(),
+            words,
         };
         let on_device = self.group.reduces_device_tensors();
 
@@ -343,9 +356,10 @@ impl Reducer {
                 options,
             )?)
         };
-        let reduced_control = first
-            .control(layout, options.words.len())
+        let mut reduced_control = first
+            .control(layout, ReduceOptions::MAX_WORDS)
             .unwrap_or_default();
+        reduced_control.words.truncate(options.words.len());
         if reduced_control.structure_changed > 0.0 {
             return Err(self.structure_error(changes.step, replica, unknown)?);
         }

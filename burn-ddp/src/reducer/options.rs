@@ -68,8 +68,15 @@ pub struct ReduceOptions {
     /// votes and checks that every rank must see alike. Keep them small non-negative numbers
     /// (0 or 1): they travel on the bucket's wire (16-bit with compression) and are summed, or
     /// averaged, over the ranks, so after the reduction a word is positive exactly when some
-    /// rank's was. Every rank must pass the same number of words. Default: none.
+    /// rank's was. At most [`ReduceOptions::MAX_WORDS`]; the bucket always carries that many (the
+    /// rest zeros), so its size never depends on a rank's input. Default: none.
     pub words: Vec<f32>,
+}
+
+impl ReduceOptions {
+    /// The most [`words`](Self::words) a reduction carries (`DistributedDataParallel` uses 32 of
+    /// them for its lockstep check: 16 are left to its callers).
+    pub const MAX_WORDS: usize = 48;
 }
 
 impl Default for ReduceOptions {

@@ -200,8 +200,14 @@ where
                     let position = Position {
                         epoch: epoch as u64,
                         batches: step as u64 + 1,
-                        // Join mode weights ranks by their samples, which may differ.
-                        samples: if policy.join() { 0 } else { samples as u64 },
+                        // Compared with a DistributedDataLoader outside join mode only: join
+                        // mode weights ranks by their samples, which may differ, and a Burn
+                        // loader with workers hands out its short batches in any order.
+                        samples: if policy.join() || self.loaders.train_loader == 0 {
+                            0
+                        } else {
+                            samples as u64
+                        },
                         lr_bits: self.learner.lr_current().to_bits(),
                         probe: 0,
                     };
@@ -270,7 +276,7 @@ where
                     if votes.interrupt {
                         // The step is trained: its due checkpoint is written before stopping.
                         if checkpoint_due {
-                            self.write_step_checkpoint(epoch, step + 1, &counters)?;
+                            self.step_checkpoint_meeting(epoch, step + 1, &counters)?;
                         }
                         stop = Some(Stop::Interrupted);
                     } else if votes.signal {
@@ -287,7 +293,7 @@ where
                                 .collect(),
                         ));
                     } else if checkpoint_due {
-                        self.write_step_checkpoint(epoch, step + 1, &counters)?;
+                        self.step_checkpoint_meeting(epoch, step + 1, &counters)?;
                     }
                 }
                 // Every rank reports every step (join mode: `None` without a batch), so rank 0
@@ -328,74 +334,60 @@ where
             if !interrupted {
                 self.validate_epoch(&progress_global)?;
             }
-            if let Role::Leader(leader) = &mut self.role
-                && !interrupted
-            {
+            // Rank 0: checkpoints and early stopping, on the epoch's own metrics.
+            let mut written = Ok(());
+            if matches!(self.role, Role::Leader(_)) && !interrupted {
+                written = self.write_epoch_checkpoint(epoch, &counters);
+                if written.is_ok()
+                    && let Role::Leader(leader) = &mut self.role
+                    && let Some(early_stopping) = &mut leader.early_stopping
+                    && early_stopping.should_stop(epoch, &leader.event_store)
                 {
-                    // The checkpointing strategy and early stopping read the epoch's metrics
-                    // from burn-train's event store, which its event processor feeds from a
-                    // thread of its own: decide on this epoch's values, not the last one's.
-                    leader.wait_for_events();
-                    if let Some(checkpointer) = &mut leader.checkpointer {
-                        checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
-                        // burn-train writes in the background: the barrier below must not let
-                        // anyone past before the files are on disk.
-                        if let Err(why) = wait_for_epoch_checkpoint(
-                            checkpointer,
-                            &self.learner,
-                            &self.device,
-                            epoch,
-                        ) {
-                            tracing::debug!(
-                                "burn-ddp: no complete checkpoint of epoch {epoch} (the \
-                                 checkpointing strategy may have skipped it): {why}"
-                            );
-                        }
-                    }
-                    if let Some(dir) = self.config.checkpoint_dir() {
-                        DdpState {
-                            epoch,
-                            world_size,
-                            optimizer_steps: counters.optimizer_steps,
-                            next_sampler_epoch: epoch as u64,
-                            synchronisations: counters.synchronisations,
-                        }
-                        .write(dir)?;
-                    }
-                    if let Some(early_stopping) = &mut leader.early_stopping
-                        && early_stopping.should_stop(epoch, &leader.event_store)
-                    {
-                        tracing::info!("burn-ddp: early stopping after epoch {epoch}");
-                        stop_requested = true;
-                    }
+                    tracing::info!("burn-ddp: early stopping after epoch {epoch}");
+                    stop_requested = true;
                 }
             }
-            // Everyone waits here while rank 0 writes checkpoints: the barrier
-            // after the checkpoint. It also carries the stop votes, stop signals and the
-            // samples each rank trained on.
+            // Everyone waits here while rank 0 writes checkpoints: the barrier after the
+            // checkpoint. It also carries the stop votes, stop signals, the samples each rank
+            // trained on, and whether rank 0's checkpoint failed.
             let votes = self.group.all_gather(
                 &[
                     u64::from(stop_requested || self.interrupter.should_stop()),
                     self.signal().map_or(0, |s| s as u64),
                     local_samples,
+                    u64::from(written.is_err()),
                 ],
                 self.config.epoch_end_timeout(),
             )?;
+            if votes.chunks(4).any(|v| v[3] != 0) {
+                // Every rank fails, and the launcher does not take the job for done.
+                return Err(written.err().unwrap_or_else(|| DdpError::Checkpoint {
+                    path: self
+                        .config
+                        .checkpoint_dir()
+                        .map(|d| d.join(format!("model-{epoch}")).display().to_string())
+                        .unwrap_or_default(),
+                    detail: format!(
+                        "rank 0 could not write the checkpoint of epoch {epoch} (see rank 0's \
+                         error)"
+                    ),
+                }));
+            }
             if let Role::Leader(_) = &self.role {
                 lock(&self.report).epochs.push(EpochReport {
                     epoch,
-                    samples: votes.chunks(3).map(|v| v[2]).sum(),
+                    samples: votes.chunks(4).map(|v| v[2]).sum(),
                     steps,
                     train_time,
                 });
             }
             let signalled: Vec<(usize, i32)> = votes
-                .chunks(3)
+                .chunks(4)
                 .enumerate()
                 .filter(|(_, v)| v[1] != 0)
                 .map(|(r, v)| (r, v[1] as i32))
                 .collect();
-            let stopping = votes.chunks(3).any(|v| v[0] != 0);
+            let stopping = votes.chunks(4).any(|v| v[0] != 0);
             if !signalled.is_empty() && epoch < *self.epochs.end() && !interrupted && !stopping {
                 // The epoch is complete: the next run starts with the next one.
                 return Err(self.stop_for_signal(epoch + 1, 0, &counters, signalled));
@@ -442,6 +434,97 @@ where
         Ok(())
     }
 
+    /// Rank 0's checkpoint at the end of `epoch`: burn-train's (as its checkpointing strategy
+    /// says, waiting until the files are on disk, which burn-train writes in the background) and
+    /// burn-ddp's state file, carrying the run id. Waits first until burn-train's event processor
+    /// has handled the epoch's events (the checkpointing strategy and early stopping read its
+    /// store).
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] naming the file: burn-train could not write or delete a
+    /// checkpoint (it stops the interrupter then; the stop is taken back: it was no user's), or
+    /// the state file cannot be written.
+    fn write_epoch_checkpoint(&mut self, epoch: usize, counters: &Counters) -> Result<()> {
+        let Role::Leader(leader) = &mut self.role else {
+            return Ok(());
+        };
+        leader.wait_for_events();
+        if let Some(checkpointer) = &mut leader.checkpointer {
+            let stopped_before = self.interrupter.should_stop();
+            checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
+            let read_back =
+                wait_for_epoch_checkpoint(checkpointer, &self.learner, &self.device, epoch);
+            if !stopped_before && self.interrupter.should_stop() {
+                let why = self.interrupter.get_message().unwrap_or_default();
+                self.interrupter.reset();
+                return Err(DdpError::Checkpoint {
+                    path: self
+                        .config
+                        .checkpoint_dir()
+                        .map(|d| d.join(format!("model-{epoch}")).display().to_string())
+                        .unwrap_or_else(|| format!("burn-train's checkpoint of epoch {epoch}")),
+                    detail: format!(
+                        "burn-train could not write (or delete) the checkpoint of epoch {epoch}: \
+                         {why}"
+                    ),
+                });
+            }
+            if let Err(why) = read_back {
+                tracing::debug!(
+                    "burn-ddp: no complete checkpoint of epoch {epoch} (the checkpointing \
+                     strategy may have skipped it): {why}"
+                );
+            }
+        }
+        if let Some(dir) = self.config.checkpoint_dir() {
+            DdpState {
+                epoch,
+                world_size: self.group.world_size(),
+                optimizer_steps: counters.optimizer_steps,
+                next_sampler_epoch: epoch as u64,
+                synchronisations: counters.synchronisations,
+                run_id: Some(self.run_id.clone()),
+            }
+            .write(dir)?;
+        }
+        Ok(())
+    }
+
+    /// A periodic step checkpoint: rank 0 writes it while the others wait for it (under the
+    /// end-of-epoch timeout, as for the checkpoint after a stop signal), and all learn whether it
+    /// was written.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] on every rank when rank 0 could not write it; the all-gather's
+    /// errors.
+    fn step_checkpoint_meeting(
+        &mut self,
+        epoch: usize,
+        batches: usize,
+        counters: &Counters,
+    ) -> Result<()> {
+        let written = self.write_step_checkpoint(epoch, batches, counters);
+        let all = self.group.all_gather(
+            &[u64::from(written.is_ok())],
+            self.config.epoch_end_timeout(),
+        )?;
+        written?;
+        if all.first() == Some(&0) {
+            return Err(DdpError::Checkpoint {
+                path: self
+                    .config
+                    .checkpoint_dir()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default(),
+                detail: format!(
+                    "rank 0 could not write the step checkpoint at batch {batches} of epoch \
+                     {epoch} (see rank 0's error)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Rank 0 writes a step checkpoint of `batches` trained batches of `epoch` (when a checkpoint
     /// directory is set); the other ranks do nothing. Returns the state file's path.
     fn write_step_checkpoint(
@@ -462,6 +545,7 @@ where
             batches,
             world_size: self.group.world_size(),
             optimizer_steps: counters.optimizer_steps,
+            run_id: Some(self.run_id.clone()),
         };
         let path = checkpoints.save(&self.learner, &state, &leader.event_store, &self.device)?;
         tracing::info!(

@@ -94,8 +94,10 @@ pub struct DdpStrategy<LC: LearningComponentsTypes> {
     report: Arc<Mutex<TrainingReport>>,
     error: Arc<Mutex<Option<DdpError>>>,
     /// Started again by a launcher after a failure (`burn-ddp run --max-restarts`): resume from
-    /// the newest complete checkpoint when a checkpoint directory is set.
+    /// the run's newest complete checkpoint when a checkpoint directory is set.
     restarted: bool,
+    /// The run its checkpoints belong to ([`DdpConfig::with_run_id`] overrides it).
+    run_id: String,
 }
 
 impl<LC: LearningComponentsTypes> Clone for DdpStrategy<LC> {
@@ -108,6 +110,7 @@ impl<LC: LearningComponentsTypes> Clone for DdpStrategy<LC> {
             report: self.report.clone(),
             error: self.error.clone(),
             restarted: self.restarted,
+            run_id: self.run_id.clone(),
         }
     }
 }
@@ -124,6 +127,7 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
             report: Arc::default(),
             error: Arc::default(),
             restarted: false,
+            run_id: crate::auth::run_id_from_env().unwrap_or_else(crate::auth::local_run_id),
         }
     }
 
@@ -215,8 +219,24 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
         let device = local_device(&devices, topology.rank, topology.local_rank)?;
         let group = crate::TcpGroup::connect(&topology, options)?;
         crate::context::set_process(topology.rank, topology.world_size);
+        let job = group.rendezvous().map(|r| r.job.clone());
+        if let Some(job) = &job
+            && job.secret() == crate::auth::Secret::None
+            && topology.rank == 0
+        {
+            crate::log::warn_console(&format!(
+                "no job token ({}): the rendezvous store at {} accepts any process that reaches \
+                 its port; set it to the same secret on every process of the job (burn-ddp run \
+                 makes one by itself)",
+                crate::auth::JOB_TOKEN_VAR,
+                crate::store::host_port(&topology.master_addr, topology.master_port)
+            ));
+        }
         let mut strategy = Self::with_process_group(device, Arc::new(group));
         strategy.restarted = topology.restart_count > 0;
+        if let Some(job) = job {
+            strategy.run_id = job.run_id().to_string();
+        }
         Ok(strategy)
     }
 
@@ -457,42 +477,43 @@ where
                 train_items: dataloader_train.num_items() as u64,
                 train_loader,
                 valid_items: dataloader_valid.num_items() as u64,
+                valid_batch: 0,
             };
             Ok((local, shards, loaders))
         });
         let (local, shards, loaders) = match prepared {
             Ok(prepared) => prepared,
-            // Nothing started: hand burn-train its components back with the error.
-            Err(err) => return Ok((learner.model(), components.event_processor, Some(err))),
+            // Nothing started: hand burn-train its components back with the error, and tell the
+            // other processes at once (they would wait for this one until their timeout).
+            Err(err) => {
+                self.abort_peers(&err);
+                return Ok((learner.model(), components.event_processor, Some(err)));
+            }
         };
         let first_rank = local.first().map_or(0, |(rank, _)| *rank);
         // Outside the rank threads, a thread-mode process is the main process (rank 0 drives
         // burn-train's events); a multi-process run is its group's rank.
         crate::context::set_process(first_rank, world_size);
-        // A launcher's restart resumes when checkpoints are kept (`from_env`).
-        let resume_config =
-            if self.restarted && !self.config.resume() && self.config.checkpoint_dir().is_some() {
-                if first_rank == 0 {
-                    crate::log::info_console(
-                        "restarted by the launcher: resuming from the newest complete checkpoint",
-                    );
-                }
-                self.config.clone().with_resume(true)
-            } else {
-                self.config.clone()
-            };
+        let run_id = self.config.run_id().unwrap_or(&self.run_id).to_string();
         let resumed = resume::prepare(
-            &resume_config,
+            &self.config,
             &learner,
             components.checkpointer.as_ref(),
             starting_epoch,
             &self.devices[0],
             first_rank,
             world_size,
+            &resume::Resuming {
+                run_id: &run_id,
+                restarted: self.restarted,
+            },
         );
         let (learner, resume) = match resumed {
             Ok((loaded, resume)) => (loaded.unwrap_or(learner), resume),
-            Err(err) => return Ok((learner.model(), components.event_processor, Some(err))),
+            Err(err) => {
+                self.abort_peers(&err);
+                return Ok((learner.model(), components.event_processor, Some(err)));
+            }
         };
         *lock(&self.report) = TrainingReport {
             world_size,
@@ -526,6 +547,10 @@ where
             && self.config.validation() == Validation::Sharded
             && (threads || valid_codec.is_some());
         let valid_plan = shard_validation.then(|| ValidationPlan::of(&*dataloader_valid));
+        let loaders = startup::Startup {
+            valid_batch: valid_plan.map_or(0, |p| p.batch_size as u64),
+            ..loaders
+        };
         if world_size > 1 && first_rank == 0 {
             if !probe.joins_training() {
                 crate::log::warn_console(&format!(
@@ -585,7 +610,6 @@ where
                         loader: dataloader_valid
                             .slice(items.start, items.end)
                             .to_device(&device),
-                        first_batch: batches.start,
                         plan,
                         codec: valid_codec,
                     }
@@ -606,6 +630,7 @@ where
                     resume: resume.clone(),
                     reports,
                     loaders,
+                    run_id: run_id.clone(),
                     valid_shard,
                 }
             })
@@ -630,6 +655,16 @@ where
                 rank: 0,
                 message: "rank 0 ended without returning its model".into(),
             })),
+        }
+    }
+}
+
+impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
+    /// A multi-process run that fails before its workers start aborts its process group, so the
+    /// other processes fail at once instead of waiting for this one until their timeout.
+    fn abort_peers(&self, err: &DdpError) {
+        if let Some(group) = &self.process_group {
+            group.abort(&err.to_string());
         }
     }
 }

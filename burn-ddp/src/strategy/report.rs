@@ -40,13 +40,14 @@ pub(super) enum Part<LC: LearningComponentsTypes> {
         step: usize,
         output: Option<ModelOutput<LC>>,
     },
-    /// Batch `batch` of the validation set (global index).
+    /// Step `step` of `rank`'s validation batches.
     Valid {
-        batch: usize,
+        rank: usize,
+        step: usize,
         output: ValidOutput<LC>,
     },
-    /// The rank validated its whole shard.
-    ValidDone { rank: usize },
+    /// The rank validated its whole shard: `steps` batches.
+    ValidDone { rank: usize, steps: usize },
 }
 
 /// What rank 0 knows of a training step besides the outputs: its own progress and learning rate.

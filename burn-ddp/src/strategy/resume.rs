@@ -75,15 +75,133 @@ impl Candidate {
             ),
         }
     }
+
+    /// The file that says which run wrote it.
+    fn state_path(&self, dir: &Path) -> PathBuf {
+        match self {
+            Candidate::Epoch(epoch) => DdpState::path(dir, *epoch),
+            Candidate::Step(state) => StepState::path(dir, state.number),
+        }
+    }
 }
 
-/// Loads the newest complete checkpoint of `config`'s checkpoint directory into `learner` when
-/// `config` asks to resume; otherwise the run starts where burn-train says (`starting_epoch`,
-/// after its own `SupervisedTraining::checkpoint`).
+/// Where a run looks for a checkpoint to start from.
+pub(super) struct Resuming<'a> {
+    /// This run's id: with [`DdpConfig::with_resume`] only its own checkpoints are taken.
+    pub run_id: &'a str,
+    /// The launcher restarted the job (it resumes by itself, and starts afresh with a warning
+    /// when there is nothing of the run's to resume).
+    pub restarted: bool,
+}
+
+/// A checkpoint found, with the run that wrote it (`None`: no burn-ddp state says).
+struct Found {
+    candidate: Candidate,
+    owner: Option<String>,
+}
+
+/// The checkpoints of `dir` (epoch ones only when `epochs` is the checkpointer of `dir`),
+/// newest first, with their owners; state files that cannot be read, as `(path, why)`.
+fn candidates_in(dir: &Path, epochs: bool) -> (Vec<Found>, Vec<String>) {
+    let mut found = Vec::new();
+    let mut unreadable = Vec::new();
+    for state in StepState::list(dir) {
+        match state {
+            Ok(state) => found.push(Found {
+                owner: state.run_id.clone(),
+                candidate: Candidate::Step(state),
+            }),
+            Err((path, why)) => unreadable.push(format!("{}: {why}", path.display())),
+        }
+    }
+    if epochs {
+        for epoch in epoch_checkpoints(dir) {
+            let owner = DdpState::read(dir, epoch)
+                .ok()
+                .flatten()
+                .and_then(|s| s.run_id);
+            found.push(Found {
+                candidate: Candidate::Epoch(epoch),
+                owner,
+            });
+        }
+    }
+    found.sort_by_key(|f| std::cmp::Reverse(f.candidate.progress()));
+    (found, unreadable)
+}
+
+/// The checkpoints `config.resume_from()` points at: a step state file, an epoch's state file, or
+/// a directory (every checkpoint in it).
+fn pointed_at(path: &Path, checkpoint_dir: Option<&Path>) -> Result<(PathBuf, Vec<Found>)> {
+    let not_one = |detail: String| DdpError::Checkpoint {
+        path: path.display().to_string(),
+        detail,
+    };
+    if path.is_dir() {
+        let epochs = checkpoint_dir == Some(path);
+        let (found, _) = candidates_in(path, epochs);
+        return Ok((path.to_path_buf(), found));
+    }
+    let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let number = |prefix: &str| -> Option<u64> {
+        name.strip_prefix(prefix)?
+            .strip_suffix(".json")?
+            .parse()
+            .ok()
+    };
+    if let Some(number) = number("ddp-step-") {
+        let state = StepState::list(&dir)
+            .into_iter()
+            .flatten()
+            .find(|s| s.number == number)
+            .ok_or_else(|| not_one("no readable step checkpoint state there".into()))?;
+        return Ok((
+            dir,
+            vec![Found {
+                owner: state.run_id.clone(),
+                candidate: Candidate::Step(state),
+            }],
+        ));
+    }
+    if let Some(epoch) = number("ddp-state-") {
+        if checkpoint_dir != Some(dir.as_path()) {
+            return Err(not_one(format!(
+                "an epoch's checkpoint is burn-train's, in the checkpoint directory ({}): point \
+                 at a state file there, or at a step checkpoint",
+                checkpoint_dir.map_or("not set".into(), |d| d.display().to_string())
+            )));
+        }
+        let owner = DdpState::read(&dir, epoch as usize)?.and_then(|s| s.run_id);
+        return Ok((
+            dir,
+            vec![Found {
+                candidate: Candidate::Epoch(epoch as usize),
+                owner,
+            }],
+        ));
+    }
+    Err(not_one(
+        "not a checkpoint: give a directory, a ddp-step-<n>.json or a ddp-state-<epoch>.json"
+            .into(),
+    ))
+}
+
+/// Loads the checkpoint `config` asks to resume from into `learner`: this run's newest complete
+/// one ([`DdpConfig::with_resume`], or a launcher's restart), or the one
+/// [`DdpConfig::with_resume_from`] points at; otherwise the run starts where burn-train says
+/// (`starting_epoch`, after its own `SupervisedTraining::checkpoint`).
 ///
 /// # Errors
-/// [`DdpError::Checkpoint`] when the newest usable checkpoint is a step checkpoint of a job with
-/// another world size (the batches of a partly trained epoch do not carry over).
+/// [`DdpError::Checkpoint`] when resuming was asked for and there is nothing of this run's to
+/// resume from (naming another run's newest checkpoint and both run ids, or the empty
+/// directory), when a pointed-at checkpoint cannot be found or loaded, and when the newest usable
+/// checkpoint is a step checkpoint of a job with another world size (the batches of a partly
+/// trained epoch do not carry over).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn prepare<LC: LearningComponentsTypes>(
     config: &DdpConfig,
     learner: &Learner<LC>,
@@ -92,6 +210,7 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
     device: &Device<TrainingBackend<LC>>,
     rank: usize,
     world_size: usize,
+    resuming: &Resuming<'_>,
 ) -> Result<(Option<Learner<LC>>, Resume)> {
     let mut resume = Resume {
         starting_epoch,
@@ -99,100 +218,117 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
         optimizer_steps: 0,
         synchronisations: 0,
     };
-    let Some(dir) = config.checkpoint_dir() else {
+    let asked = config.resume() || config.resume_from().is_some();
+    if !asked && !resuming.restarted {
         return Ok((None, resume));
-    };
-    let mut loaded_learner = None;
-    if config.resume() {
-        let mut candidates: Vec<Candidate> = Vec::new();
-        let mut skipped: Vec<String> = Vec::new();
-        for found in StepState::list(dir) {
-            match found {
-                Ok(state) => candidates.push(Candidate::Step(state)),
-                Err((path, why)) => skipped.push(format!("{}: {why}", path.display())),
-            }
+    }
+    let checkpoint_dir = config.checkpoint_dir();
+    // What may be taken, and from where.
+    let (dir, found, own_only) = match config.resume_from() {
+        Some(path) => {
+            let (dir, found) = pointed_at(path, checkpoint_dir)?;
+            (dir, found, false)
         }
-        if epochs.is_some() {
-            candidates.extend(epoch_checkpoints(dir).into_iter().map(Candidate::Epoch));
-        }
-        // Newest first; only what is newer than where burn-train already starts.
-        candidates.sort_by_key(|c| std::cmp::Reverse(c.progress()));
-        candidates.retain(|c| c.progress() > (starting_epoch.saturating_sub(1), 0));
-        for candidate in candidates {
-            let loaded = match &candidate {
-                Candidate::Epoch(epoch) => epochs
-                    .ok_or_else(|| "no file checkpointer".to_string())
-                    .and_then(|c| quietly(|| c.load_checkpoint(learner.clone(), device, *epoch))),
-                Candidate::Step(state) => {
-                    StepCheckpoints::<LC>::new(dir).load(learner.clone(), device, state.number)
+        None => {
+            let Some(dir) = checkpoint_dir else {
+                if asked {
+                    return Err(DdpError::InvalidConfig(
+                        "DdpConfig::with_resume needs DdpConfig::with_checkpoint_dir (burn-train's \
+                         checkpoint directory) or with_resume_from"
+                            .into(),
+                    ));
                 }
+                return Ok((None, resume));
             };
-            if let (Ok(_), Candidate::Step(state)) = (&loaded, &candidate)
-                && state.world_size != world_size
-                && state.batches > 0
-            {
-                // Only a checkpoint that would be used is refused: a truncated one is passed
-                // over like any other, and one at an epoch's first batch re-shards.
-                return Err(DdpError::Checkpoint {
-                    path: StepState::path(dir, state.number).display().to_string(),
-                    detail: format!(
-                        "the newest checkpoint was taken at batch {} of epoch {} by a job of \
-                         world size {}, this job has {world_size}: the batches of a partly \
-                         trained epoch do not carry over to another world size; resume with {} \
-                         ranks, or remove ddp-step-*.json to resume from the last epoch \
-                         checkpoint",
-                        state.batches, state.epoch, state.world_size, state.world_size
-                    ),
-                });
+            let (found, unreadable) = candidates_in(dir, epochs.is_some());
+            for why in unreadable {
+                tracing::warn!("burn-ddp: rank {rank}: not resuming from {why}");
             }
-            match loaded {
-                Ok(loaded) => {
-                    loaded_learner = Some(loaded);
-                    resume = match &candidate {
-                        Candidate::Epoch(epoch) => Resume {
-                            starting_epoch: epoch + 1,
-                            ..resume
-                        },
-                        Candidate::Step(state) => Resume {
-                            starting_epoch: state.epoch,
-                            batches: state.batches,
-                            optimizer_steps: state.optimizer_steps,
-                            synchronisations: state.number,
-                        },
-                    };
-                    for skip in skipped.drain(..) {
-                        tracing::warn!("burn-ddp: rank {rank}: not resuming from {skip}");
-                    }
-                    if rank == 0 {
-                        crate::log::info_console(&format!(
-                            "resuming from {}",
-                            candidate.describe(dir)
-                        ));
-                    }
-                    break;
+            (dir.to_path_buf(), found, true)
+        }
+    };
+    let (mine, theirs): (Vec<Found>, Vec<Found>) = found
+        .into_iter()
+        .partition(|f| !own_only || f.owner.as_deref() == Some(resuming.run_id));
+    let mut skipped: Vec<String> = Vec::new();
+    let mut loaded_learner = None;
+    for Found { candidate, owner } in mine
+        .into_iter()
+        .filter(|f| f.candidate.progress() > (starting_epoch.saturating_sub(1), 0))
+    {
+        let loaded = match &candidate {
+            Candidate::Epoch(epoch) => epochs
+                .ok_or_else(|| "no file checkpointer".to_string())
+                .and_then(|c| quietly(|| c.load_checkpoint(learner.clone(), device, *epoch))),
+            Candidate::Step(state) => {
+                StepCheckpoints::<LC>::new(&dir).load(learner.clone(), device, state.number)
+            }
+        };
+        if let (Ok(_), Candidate::Step(state)) = (&loaded, &candidate)
+            && state.world_size != world_size
+            && state.batches > 0
+        {
+            // Only a checkpoint that would be used is refused: a truncated one is passed over
+            // like any other, and one at an epoch's first batch re-shards.
+            return Err(DdpError::Checkpoint {
+                path: StepState::path(&dir, state.number).display().to_string(),
+                detail: format!(
+                    "the newest checkpoint was taken at batch {} of epoch {} by a job of world \
+                     size {}, this job has {world_size}: the batches of a partly trained epoch \
+                     do not carry over to another world size; resume with {} ranks, or remove \
+                     ddp-step-*.json to resume from the last epoch checkpoint",
+                    state.batches, state.epoch, state.world_size, state.world_size
+                ),
+            });
+        }
+        match loaded {
+            Ok(loaded) => {
+                loaded_learner = Some(loaded);
+                resume = match &candidate {
+                    Candidate::Epoch(epoch) => Resume {
+                        starting_epoch: epoch + 1,
+                        ..resume
+                    },
+                    Candidate::Step(state) => Resume {
+                        starting_epoch: state.epoch,
+                        batches: state.batches,
+                        optimizer_steps: state.optimizer_steps,
+                        synchronisations: state.number,
+                    },
+                };
+                if rank == 0 {
+                    crate::log::info_console(&format!(
+                        "resuming from {} of run {}",
+                        candidate.describe(&dir),
+                        owner.as_deref().unwrap_or("unknown")
+                    ));
                 }
-                Err(why) => skipped.push(format!(
-                    "{}: it cannot be loaded ({})",
-                    candidate.describe(dir),
-                    // Burn's messages run on with advice about old formats.
-                    why.lines()
-                        .next()
-                        .unwrap_or_default()
-                        .split("\\n")
-                        .next()
-                        .unwrap_or_default()
-                )),
+                break;
             }
+            Err(why) => skipped.push(format!(
+                "{}: it cannot be loaded ({})",
+                candidate.describe(&dir),
+                // Burn's messages run on with advice about old formats.
+                why.lines()
+                    .next()
+                    .unwrap_or_default()
+                    .split("\\n")
+                    .next()
+                    .unwrap_or_default()
+            )),
         }
-        for skip in &skipped {
-            tracing::warn!("burn-ddp: rank {rank}: not resuming from {skip}");
-        }
+    }
+    for skip in &skipped {
+        tracing::warn!("burn-ddp: rank {rank}: not resuming from {skip}");
+    }
+    if loaded_learner.is_none() {
+        nothing_to_resume(&dir, &theirs, &skipped, resuming, asked, rank)?;
     }
     if resume.batches == 0 && resume.starting_epoch > 1 {
         // An epoch boundary: the model and optimizer carry over to any world size, and
         // `DistributedSampler` gives the same global order of samples (re-sharding).
         let finished = resume.starting_epoch - 1;
-        match DdpState::read(dir, finished) {
+        match DdpState::read(&dir, finished) {
             Ok(Some(state)) => {
                 resume.optimizer_steps = state.optimizer_steps;
                 resume.synchronisations = resume.synchronisations.max(state.synchronisations);
@@ -211,6 +347,61 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
         }
     }
     Ok((loaded_learner, resume))
+}
+
+/// Nothing of this run's could be resumed: an error when resuming was asked for, naming
+/// another run's newest checkpoint and both run ids (or the empty directory); a warning after a
+/// launcher's restart, whose run then starts afresh.
+fn nothing_to_resume(
+    dir: &Path,
+    theirs: &[Found],
+    skipped: &[String],
+    resuming: &Resuming<'_>,
+    asked: bool,
+    rank: usize,
+) -> Result<()> {
+    let newest_other = theirs.first();
+    let detail = match newest_other {
+        Some(other) => format!(
+            "this is run {}, and the newest checkpoint there, {}, belongs to {}: another run's \
+             checkpoints are never taken by themselves; resume it with \
+             DdpConfig::with_resume_from(<that file or its directory>) (the example: --resume), or \
+             continue that run with BURN_DDP_RUN_ID={}",
+            resuming.run_id,
+            other.candidate.describe(dir),
+            other.owner.as_deref().map_or(
+                "no run burn-ddp knows of (no burn-ddp state file says)".into(),
+                |o| { format!("run {o}") }
+            ),
+            other.owner.as_deref().unwrap_or("<its run id>")
+        ),
+        None if skipped.is_empty() => format!(
+            "there is no complete checkpoint there for run {} (is it burn-train's checkpoint \
+             directory, <artifact dir>/checkpoint?)",
+            resuming.run_id
+        ),
+        None => format!(
+            "none of run {}'s checkpoints there loads (see the warnings)",
+            resuming.run_id
+        ),
+    };
+    let path = newest_other
+        .map(|o| o.candidate.state_path(dir))
+        .unwrap_or_else(|| dir.to_path_buf());
+    if asked {
+        return Err(DdpError::Checkpoint {
+            path: path.display().to_string(),
+            detail: format!("nothing to resume from: {detail}"),
+        });
+    }
+    if rank == 0 {
+        crate::log::warn_console(&format!(
+            "restarted by the launcher, but nothing to resume from in {}: {detail}; training \
+             starts from the beginning",
+            dir.display()
+        ));
+    }
+    Ok(())
 }
 
 /// Waits until `epoch`'s burn-train checkpoint is on disk: burn-train writes checkpoints on

@@ -26,9 +26,11 @@ pub(super) struct Startup {
     pub train_loader: u64,
     /// Items of the validation loader.
     pub valid_items: u64,
+    /// Its batch size, when validation is sharded by its batches (0 otherwise).
+    pub valid_batch: u64,
 }
 
-const WORDS: usize = 9;
+const WORDS: usize = 10;
 
 impl Startup {
     fn words(&self) -> [u64; WORDS] {
@@ -42,6 +44,7 @@ impl Startup {
             self.train_items,
             self.train_loader,
             self.valid_items,
+            self.valid_batch,
         ]
     }
 
@@ -54,6 +57,7 @@ impl Startup {
             train_items: w[6],
             train_loader: w[7],
             valid_items: w[8],
+            valid_batch: w[9],
         }
     }
 
@@ -133,10 +137,17 @@ fn describe(
              build the same loader, or the shards overlap and the steps differ"
         );
     }
+    if first.valid_items != theirs.valid_items {
+        return format!(
+            "rank 0's validation loader has {} items but rank {other}'s {}: the ranks must load \
+             the same validation set, or its metrics are wrong",
+            first.valid_items, theirs.valid_items
+        );
+    }
     format!(
-        "rank 0's validation loader has {} items but rank {other}'s {}: the ranks must load the \
-         same validation set, or its metrics are wrong",
-        first.valid_items, theirs.valid_items
+        "rank 0's validation loader has batches of {} items but rank {other}'s of {}: the ranks \
+         shard validation by whole batches and must build the same loader",
+        first.valid_batch, theirs.valid_batch
     )
 }
 
@@ -154,6 +165,7 @@ mod tests {
             train_items: 640,
             train_loader: 11,
             valid_items: 64,
+            valid_batch: 8,
         };
         let text = |theirs| describe(&view, 2, &theirs, &"config");
         assert!(

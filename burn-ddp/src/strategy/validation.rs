@@ -5,12 +5,12 @@
 //!
 //! **Sharded** (the default): the loader's batches are cut into `world_size` contiguous runs of
 //! whole batches ([`ValidationPlan`]); each rank validates its run, and rank 0 reports every batch
-//! as its own item in the loader's order: its own batches as it computes them, then the other
-//! ranks' (threads: through the channel as they come; processes: one gather of the encoded
-//! outputs at the end). **On rank 0 alone**: [`Validation::Rank0`](crate::config::Validation), or
-//! in process mode an output type burn-ddp cannot send
-//! ([`DistributedOutput`](crate::outputs::DistributedOutput)); the other ranks wait at the
-//! end-of-epoch collective.
+//! as its own item in the loader's order: its own batches as it computes them, then rank 1's, and
+//! so on, each rank's in the order its loader gave them (threads: through the channel as they
+//! come; processes: one gather of the encoded outputs at the end). **On rank 0 alone**:
+//! [`Validation::Rank0`](crate::config::Validation), or in process mode an output type burn-ddp
+//! cannot send ([`DistributedOutput`](crate::outputs::DistributedOutput)); the other ranks wait at
+//! the end-of-epoch collective.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -36,8 +36,12 @@ use crate::{DdpError, Result};
 /// again (an abort by a rank that failed).
 const POLL: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// Batches read to learn the loader's batch size (a Burn loader with workers may hand a worker's
+/// short last batch out first).
+const PROBED_BATCHES: usize = 3;
+
 /// How the validation loader's batches fall: `items` items in batches of `batch_size` (the last
-/// one possibly smaller), the loader's own batching read off its first batch.
+/// one possibly smaller).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct ValidationPlan {
     /// Items of the whole validation set.
@@ -47,22 +51,28 @@ pub(super) struct ValidationPlan {
 }
 
 impl ValidationPlan {
-    /// The plan of `loader`: its item count, and its batch size read from the progress after
-    /// its first batch (one batch is built, from a slice, so the loader's own state is left
-    /// alone).
+    /// The plan of `loader`: its item count, and its batch size, the largest of its first batches
+    /// (read from a slice, so the loader's own state is left alone).
     pub fn of<B: Backend, O>(loader: &dyn DataLoader<B, O>) -> Self {
         let items = loader.num_items();
-        let batch_size = if items == 0 {
-            1
-        } else {
+        let mut batch_size = 0;
+        if items > 0 {
             let probe = loader.slice(0, items);
             let mut iterator = probe.iter();
-            match iterator.next() {
-                Some(_) => iterator.progress().items_processed.clamp(1, items),
-                None => items,
+            let mut before = 0;
+            for _ in 0..PROBED_BATCHES {
+                if iterator.next().is_none() {
+                    break;
+                }
+                let after = iterator.progress().items_processed;
+                batch_size = batch_size.max(after.saturating_sub(before));
+                before = after;
             }
-        };
-        Self { items, batch_size }
+        }
+        Self {
+            items,
+            batch_size: batch_size.clamp(1, items.max(1)),
+        }
     }
 
     /// Batches of the whole set.
@@ -81,19 +91,12 @@ impl ValidationPlan {
         let end = (batches.end * self.batch_size).min(self.items);
         (batches.start * self.batch_size).min(end)..end
     }
-
-    /// burn-train's progress after batch `batch` (global index).
-    fn progress_after(&self, batch: usize) -> Progress {
-        Progress::new(((batch + 1) * self.batch_size).min(self.items), self.items)
-    }
 }
 
 /// One rank's run of whole validation batches.
 pub(super) struct ValidShard<LC: LearningComponentsTypes> {
     /// The rank's batches, as a slice of the validation loader on the rank's device.
     pub loader: ValidLoader<LC>,
-    /// The global index of its first batch.
-    pub first_batch: usize,
     pub plan: ValidationPlan,
     /// How outputs travel between processes (process mode; threads pass them as they are).
     pub codec: Option<Codec<ValidOutput<LC>, InnerBackend<LC>>>,
@@ -103,70 +106,100 @@ impl<LC: LearningComponentsTypes> Clone for ValidShard<LC> {
     fn clone(&self) -> Self {
         Self {
             loader: self.loader.clone(),
-            first_batch: self.first_batch,
             plan: self.plan,
             codec: self.codec,
         }
     }
 }
 
-/// Rank 0's items of one validation pass, reported in the loader's order: a batch is held
-/// until every batch before it is reported.
+/// Rank 0's items of one validation pass, reported in the loader's order: rank 0's batches, then
+/// rank 1's, ... (their runs are consecutive in the loader), each rank's in the order its loader
+/// gave them. A batch is held until every batch before it is reported.
 struct InOrder<LC: LearningComponentsTypes> {
-    next: usize,
-    waiting: BTreeMap<usize, ValidOutput<LC>>,
+    /// The next (rank, step of that rank) to report.
+    next: (usize, usize),
+    /// How many batches each rank validated, once it said so.
+    counts: Vec<Option<usize>>,
+    waiting: BTreeMap<(usize, usize), ValidOutput<LC>>,
+    /// Batches reported so far.
+    reported: usize,
+}
+
+/// Where rank 0 reports validation items, and what it needs to number them.
+struct Reporting<'a, LC: LearningComponentsTypes> {
+    leader: &'a mut Leader<LC>,
+    plan: ValidationPlan,
+    progress_global: &'a Progress,
 }
 
 impl<LC: LearningComponentsTypes> InOrder<LC> {
-    fn new() -> Self {
+    fn new(world_size: usize) -> Self {
         Self {
-            next: 0,
+            next: (0, 0),
+            counts: vec![None; world_size],
             waiting: BTreeMap::new(),
+            reported: 0,
         }
     }
 
-    /// Files batch `batch`'s output and reports every batch that is now next in order.
-    fn put(
+    /// Files `rank`'s output of its step `step`, and reports what is now next in order.
+    fn put(&mut self, to: &mut Reporting<'_, LC>, at: (usize, usize), output: ValidOutput<LC>) {
+        self.waiting.insert(at, output);
+        self.advance(to);
+    }
+
+    /// `rank` validated `steps` batches.
+    fn done(&mut self, to: &mut Reporting<'_, LC>, rank: usize, steps: usize) {
+        if let Some(count) = self.counts.get_mut(rank) {
+            *count = Some(steps);
+        }
+        self.advance(to);
+    }
+
+    fn advance(&mut self, to: &mut Reporting<'_, LC>) {
+        loop {
+            if let Some(output) = self.waiting.remove(&self.next) {
+                self.report(to, self.next, output);
+                self.next.1 += 1;
+            } else if self.counts.get(self.next.0).copied().flatten() == Some(self.next.1)
+                && self.next.0 + 1 < self.counts.len()
+            {
+                self.next = (self.next.0 + 1, 0);
+            } else {
+                return;
+            }
+        }
+    }
+
+    /// Reports what is left (after a gap: a rank stopped early by the interrupter).
+    fn finish(mut self, to: &mut Reporting<'_, LC>) {
+        for (at, output) in std::mem::take(&mut self.waiting) {
+            self.report(to, at, output);
+        }
+    }
+
+    /// `rank`'s batch `step` as burn-train's item, numbered in one device's order.
+    fn report(
         &mut self,
-        leader: &mut Leader<LC>,
-        plan: &ValidationPlan,
-        progress_global: &Progress,
-        batch: usize,
+        to: &mut Reporting<'_, LC>,
+        (rank, step): (usize, usize),
         output: ValidOutput<LC>,
     ) {
-        self.waiting.insert(batch, output);
-        while let Some(output) = self.waiting.remove(&self.next) {
-            report(leader, plan, progress_global, self.next, output);
-            self.next += 1;
-        }
+        self.reported += 1;
+        let plan = to.plan;
+        let items = plan.items_of(plan.batches_of(rank, self.counts.len()));
+        let done = (items.start + (step + 1) * plan.batch_size).min(items.end);
+        let item = TrainingItem::new(
+            output,
+            Progress::new(done, plan.items),
+            to.progress_global.clone(),
+            Some(self.reported),
+            None,
+        );
+        to.leader
+            .event_processor
+            .process_valid(LearnerEvent::ProcessedItem(item));
     }
-
-    /// Reports what is left (batches after a gap: a rank stopped early by the interrupter).
-    fn finish(self, leader: &mut Leader<LC>, plan: &ValidationPlan, progress_global: &Progress) {
-        for (batch, output) in self.waiting {
-            report(leader, plan, progress_global, batch, output);
-        }
-    }
-}
-
-/// Batch `batch` of the validation set as burn-train's item.
-fn report<LC: LearningComponentsTypes>(
-    leader: &mut Leader<LC>,
-    plan: &ValidationPlan,
-    progress_global: &Progress,
-    batch: usize,
-    output: ValidOutput<LC>,
-) {
-    let item = TrainingItem::new(
-        output,
-        plan.progress_after(batch),
-        progress_global.clone(),
-        Some(batch + 1),
-        None,
-    );
-    leader
-        .event_processor
-        .process_valid(LearnerEvent::ProcessedItem(item));
 }
 
 impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC>
@@ -179,7 +212,7 @@ where
     ///
     /// # Errors
     /// The collectives' errors (process mode); a thread rank whose batches do not arrive within
-    /// the timeout ([`DdpError::Unresponsive`]).
+    /// the timeout ([`DdpError::Unresponsive`]), or that failed (the group is aborted).
     pub(super) fn validate_epoch(&mut self, progress_global: &Progress) -> Result<()> {
         let epoch = progress_global.items_processed;
         let Some(shard) = self.valid_shard.clone() else {
@@ -189,32 +222,44 @@ where
             return Ok(());
         };
         let model = self.learner.model().valid();
-        let mut in_order = InOrder::<LC>::new();
+        let rank = self.rank;
+        let mut in_order = InOrder::<LC>::new(self.group.world_size());
         // Process mode: this rank's outputs, sent to rank 0 at the end.
         let mut kept: Vec<(usize, ValidOutput<LC>)> = Vec::new();
+        let mut steps = 0;
         for (step, item) in shard.loader.iter().enumerate() {
             let output = InferenceStep::step(&model, item);
-            let batch = shard.first_batch + step;
+            steps = step + 1;
             match &mut self.role {
                 Role::Follower(sender) => {
-                    let _ = sender.send(Part::Valid { batch, output });
+                    let _ = sender.send(Part::Valid { rank, step, output });
                 }
-                Role::Leader(leader) => {
-                    in_order.put(leader, &shard.plan, progress_global, batch, output)
-                }
-                Role::Silent(_) => kept.push((batch, output)),
+                Role::Leader(leader) => in_order.put(
+                    &mut Reporting {
+                        leader,
+                        plan: shard.plan,
+                        progress_global,
+                    },
+                    (rank, step),
+                    output,
+                ),
+                Role::Silent(_) => kept.push((step, output)),
             }
             if self.interrupter.should_stop() {
                 break;
             }
         }
         if self.reports.threads {
-            self.collect_threads(&shard, &mut in_order, progress_global)?;
+            self.collect_threads(&shard, &mut in_order, steps, progress_global)?;
         } else {
             self.collect_processes(&shard, &mut in_order, kept, progress_global)?;
         }
         if let Role::Leader(leader) = &mut self.role {
-            in_order.finish(leader, &shard.plan, progress_global);
+            in_order.finish(&mut Reporting {
+                leader,
+                plan: shard.plan,
+                progress_global,
+            });
             leader
                 .event_processor
                 .process_valid(LearnerEvent::EndEpoch(epoch));
@@ -227,6 +272,7 @@ where
         &mut self,
         shard: &ValidShard<LC>,
         in_order: &mut InOrder<LC>,
+        steps: usize,
         progress_global: &Progress,
     ) -> Result<()> {
         let world_size = self.group.world_size();
@@ -234,10 +280,16 @@ where
         let timeout = self.config.timeout();
         let Role::Leader(leader) = &mut self.role else {
             if let Role::Follower(sender) = &self.role {
-                let _ = sender.send(Part::ValidDone { rank });
+                let _ = sender.send(Part::ValidDone { rank, steps });
             }
             return Ok(());
         };
+        let mut to = Reporting {
+            leader,
+            plan: shard.plan,
+            progress_global,
+        };
+        in_order.done(&mut to, rank, steps);
         let deadline = Instant::now() + timeout;
         let mut done = std::collections::BTreeSet::from([rank]);
         while done.len() < world_size {
@@ -250,25 +302,24 @@ where
                     cause: format!("while rank 0 collected the validation outputs: {cause}"),
                 });
             }
-            let next =
-                match self.reports.stash.pop_front() {
-                    Some(part) => Ok(part),
-                    // In slices, so an abort is seen within a tenth of a second.
-                    None => match leader
-                        .items
-                        .recv_timeout(POLL.min(deadline - Instant::now().min(deadline)))
-                    {
+            let next = match self.reports.stash.pop_front() {
+                Some(part) => Ok(part),
+                // In slices, so an abort is seen within a tenth of a second.
+                None => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match to.leader.items.recv_timeout(POLL.min(left)) {
                         Ok(part) => Ok(part),
-                        Err(RecvTimeoutError::Timeout) if Instant::now() < deadline => continue,
-                        Err(_) => Err(timeout
-                            .saturating_sub(deadline.saturating_duration_since(Instant::now()))),
-                    },
-                };
-            match next {
-                Ok(Part::Valid { batch, output }) => {
-                    in_order.put(leader, &shard.plan, progress_global, batch, output)
+                        Err(RecvTimeoutError::Timeout) if !left.is_zero() => continue,
+                        Err(_) => Err(timeout.saturating_sub(left)),
+                    }
                 }
-                Ok(Part::ValidDone { rank }) => {
+            };
+            match next {
+                Ok(Part::Valid { rank, step, output }) => {
+                    in_order.put(&mut to, (rank, step), output)
+                }
+                Ok(Part::ValidDone { rank, steps }) => {
+                    in_order.done(&mut to, rank, steps);
                     done.insert(rank);
                 }
                 Ok(Part::Train { rank, step, output }) => {
@@ -302,23 +353,36 @@ where
         };
         let rank = self.rank;
         let mut words = Vec::new();
-        for (batch, output) in &kept {
-            encode_entry(&mut words, *batch, Some(output), codec.encode);
+        for (step, output) in &kept {
+            encode_entry(&mut words, *step, Some(output), codec.encode);
         }
         let all = gather_words(self.group.as_ref(), words, self.config.timeout())?;
         let Role::Leader(leader) = &mut self.role else {
             return Ok(());
         };
         let device = self.device.clone();
-        for (from, words) in all.iter().enumerate().filter(|(r, _)| *r != rank) {
+        let mut to = Reporting {
+            leader,
+            plan: shard.plan,
+            progress_global,
+        };
+        for (from, words) in all.iter().enumerate() {
+            if from == rank {
+                // Rank 0's own batches were reported as they were computed.
+                in_order.done(&mut to, rank, kept.len().max(in_order.next.1));
+                continue;
+            }
             let mut rest = words.as_slice();
+            let mut steps = 0;
             while !rest.is_empty() {
-                let (batch, output) = decode_entry(&mut rest, codec.decode, &device)
+                let (step, output) = decode_entry(&mut rest, codec.decode, &device)
                     .map_err(|detail| bad_words(rank, from, detail))?;
                 if let Some(output) = output {
-                    in_order.put(leader, &shard.plan, progress_global, batch, output);
+                    in_order.put(&mut to, (from, step), output);
                 }
+                steps += 1;
             }
+            in_order.done(&mut to, from, steps);
         }
         Ok(())
     }
@@ -376,7 +440,5 @@ mod tests {
             .map(|r| plan.items_of(plan.batches_of(r, 4)))
             .collect();
         assert_eq!(four, vec![0..4, 4..8, 8..10, 10..10]);
-        assert_eq!(plan.progress_after(2).items_processed, 10);
-        assert_eq!(plan.progress_after(0).items_processed, 4);
     }
 }

@@ -90,6 +90,8 @@ pub(super) struct Worker<LC: LearningComponentsTypes> {
     /// This process's loaders as the ranks compare them at start-up (the other fields are
     /// filled in by the rank).
     pub loaders: Startup,
+    /// The run its checkpoints belong to.
+    pub run_id: String,
     /// This rank's whole batches of the validation loader (sharded validation); `None`: rank 0
     /// validates alone.
     pub valid_shard: Option<ValidShard<LC>>,
@@ -241,10 +243,13 @@ where
                 running.insert(rank);
             }
             // The worker was dropped with the closure: its peers see it leave at once.
-            Err(e) => errors.push(DdpError::WorkerPanicked {
+            Err(e) => errors.push((
                 rank,
-                message: format!("could not start the rank's thread: {e}"),
-            }),
+                DdpError::WorkerPanicked {
+                    rank,
+                    message: format!("could not start the rank's thread: {e}"),
+                },
+            )),
         }
     }
     drop(done_tx);
@@ -278,7 +283,7 @@ where
             if !matches!(err, DdpError::Preempted { .. }) {
                 deadline.get_or_insert_with(|| Instant::now() + grace);
             }
-            errors.push(err);
+            errors.push((rank, err));
         }
         ranks.insert(rank, finished.report);
         if finished.leader.is_some() {
@@ -291,7 +296,7 @@ where
             waited: grace,
         };
         tracing::error!("burn-ddp: {err}");
-        errors.push(err);
+        errors.push((rank, err));
     }
     (
         ranks.into_values().collect(),
@@ -347,8 +352,9 @@ pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
 
 /// The error to report when several ranks failed: a panic or a local error first, then a
 /// timeout, then a peer that left, then an abort (which only repeats an earlier failure); a stop
-/// by signal only when nothing else went wrong.
-fn root_cause(errors: Vec<DdpError>) -> Option<DdpError> {
+/// by signal only when nothing else went wrong. Between errors of one kind, the lowest rank's
+/// (rank 0 writes checkpoints and names their files).
+fn root_cause(errors: Vec<(usize, DdpError)>) -> Option<DdpError> {
     let weight = |e: &DdpError| match e {
         DdpError::WorkerPanicked { .. } => 0,
         DdpError::Preempted { .. } => 5,
@@ -357,7 +363,10 @@ fn root_cause(errors: Vec<DdpError>) -> Option<DdpError> {
         DdpError::Timeout { .. } | DdpError::Unresponsive { .. } => 2,
         _ => 1,
     };
-    errors.into_iter().min_by_key(weight)
+    errors
+        .into_iter()
+        .min_by_key(|(rank, e)| (weight(e), *rank))
+        .map(|(_, e)| e)
 }
 
 /// The message of a panic's payload.

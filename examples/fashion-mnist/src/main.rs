@@ -76,9 +76,10 @@ struct Args {
     /// Write a checkpoint after every epoch (always on under `burn-ddp run`, so restarts resume).
     #[arg(long)]
     checkpoint: bool,
-    /// Resume from the newest complete checkpoint in ARTIFACTS/checkpoint (automatic after a
-    /// restart by `burn-ddp run --max-restarts`): an epoch checkpoint, or a step checkpoint
-    /// written when the job was stopped by SIGTERM/SIGINT; a truncated one is passed over.
+    /// Resume from the newest complete checkpoint in ARTIFACTS/checkpoint, whichever run wrote
+    /// it (a restart by `burn-ddp run --max-restarts` resumes its own run's by itself): an epoch
+    /// checkpoint, or a step checkpoint written when the job was stopped by SIGTERM/SIGINT; a
+    /// truncated one is passed over.
     #[arg(long)]
     resume: bool,
     /// Also write a step checkpoint every N optimizer steps (0: only at the end of epochs and on
@@ -289,10 +290,14 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
     };
     // Step checkpoints (SIGTERM/SIGINT, --checkpoint-every) and the resume go to the same place
     // as burn-train's epoch checkpoints; a restart by the launcher resumes by itself.
-    let config = DdpConfig::default()
-        .with_checkpoint_dir(args.artifacts.join("checkpoint"))
-        .with_resume(args.resume)
+    let checkpoints = args.artifacts.join("checkpoint");
+    let mut config = DdpConfig::default()
+        .with_checkpoint_dir(&checkpoints)
         .with_checkpoint_every(args.checkpoint_every);
+    if args.resume {
+        // You point at the directory: its newest checkpoint, whichever run wrote it.
+        config = config.with_resume_from(&checkpoints);
+    }
     // burn-ddp prints its report (samples/s, time per rank) at the end of training.
     match training.launch_ddp(learner, strategy.with_config(config)) {
         Ok(_) => Ok(()),

@@ -55,12 +55,19 @@ struct Epoch {
 pub struct EpochPrinter {
     names: HashMap<MetricId, String>,
     epoch: Epoch,
+    /// When the previous epoch's validation last reported (or the printer was made): the next
+    /// epoch's training starts then. Its first item may arrive much later: between processes,
+    /// rank 0 receives the ranks' items in groups of `DdpConfig::with_metrics_every` steps.
+    since: Option<Instant>,
 }
 
 impl EpochPrinter {
     /// A printer (wrap it in `burn_ddp::metrics::MainProcessRenderer` so only rank 0 prints).
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            since: Some(Instant::now()),
+            ..Self::default()
+        }
     }
 
     fn name(&self, state: &MetricState) -> Option<(&str, NumericEntry)> {
@@ -79,7 +86,7 @@ impl EpochPrinter {
             self.epoch = Epoch {
                 number: epoch,
                 total,
-                started: Some(Instant::now()),
+                started: Some(self.since.unwrap_or_else(Instant::now)),
                 next_tenth: 1,
                 ..Epoch::default()
             };
@@ -158,6 +165,7 @@ impl MetricsRendererTraining for EpochPrinter {
         if self.epoch.train_seconds.is_none() {
             self.epoch.train_seconds = self.epoch.started.map(|s| s.elapsed().as_secs_f64());
         }
+        self.since = Some(Instant::now());
     }
 
     fn on_train_end(

@@ -18,10 +18,10 @@
 //! one device), instead of the CNN.
 //! `--ready-dir`: after its 2nd batch, each rank writes its pid to DIR/pid-RANK.
 //! `--fail-*`: rank R exits with code 3 at its K-th batch (only in restart round A, default 0).
-//! `--signal-*`: rank R (a thread rank with `--threads`) sends itself SIGTERM at its K-th batch
-//! (first attempt only).
-//! `--checkpoint-dir`: checkpoints in DIR/checkpoint; `--resume` (or a launcher restart) resumes
-//! from the newest complete one. A run stopped by a signal exits with 143. `--init-seed S`: the
+//! `--signal-*`: rank R (a thread rank with `--threads`) sends itself SIGTERM (`--signal hup`:
+//! SIGHUP) at its K-th batch (first attempt only).
+//! `--checkpoint-dir`: checkpoints in DIR/checkpoint; `--resume` resumes from the newest complete
+//! one there, whichever run wrote it (a launcher restart, from its own run's). A run stopped by a signal exits with 143. `--init-seed S`: the
 //! CNN's initial values from seed S (default 11), so a resumed run can start from other values
 //! than the checkpoint's (it then matches only if the checkpoint was read).
 //! `launch N`: runs burn-ddp's launcher with N copies of this program as workers.
@@ -59,6 +59,7 @@ struct Args {
     fail_attempt: u64,
     signal_rank: Option<usize>,
     signal_at_batch: usize,
+    signal: i32,
     bucket_caps: Option<(usize, usize)>,
     out_every_rank: bool,
     mlp: bool,
@@ -85,6 +86,7 @@ fn parse(raw: &[String]) -> Result<Args, String> {
         fail_attempt: 0,
         signal_rank: None,
         signal_at_batch: 2,
+        signal: libc::SIGTERM,
         bucket_caps: None,
         out_every_rank: false,
         mlp: false,
@@ -121,6 +123,13 @@ fn parse(raw: &[String]) -> Result<Args, String> {
             "--fail-at-batch" => args.fail_at_batch = number(value()?)? as usize,
             "--fail-attempt" => args.fail_attempt = number(value()?)?,
             "--signal-rank" => args.signal_rank = Some(number(value()?)? as usize),
+            "--signal" => {
+                args.signal = match value()?.as_str() {
+                    "hup" => libc::SIGHUP,
+                    "term" => libc::SIGTERM,
+                    other => return Err(format!("--signal hup|term, got {other}")),
+                }
+            }
             "--signal-at-batch" => args.signal_at_batch = number(value()?)? as usize,
             "--bucket-caps" => {
                 let caps = value()?;
@@ -215,7 +224,7 @@ fn main() -> ExitCode {
     let (delay, ready_dir) = (args.delay, args.ready_dir.clone());
     let (fail_rank, fail_at, fail_attempt) =
         (args.fail_rank, args.fail_at_batch, args.fail_attempt);
-    let (signal_rank, signal_at) = (args.signal_rank, args.signal_at_batch);
+    let (signal_rank, signal_at, signal) = (args.signal_rank, args.signal_at_batch, args.signal);
     let (panic_rank, panic_at) = (args.panic_rank, args.panic_at_batch);
     let _ = STEP_HOOK.set(Box::new(move |batch| {
         // This rank: the process's, or the thread's ("burn-ddp-rank-R"; rank 0 of a single
@@ -238,11 +247,11 @@ fn main() -> ExitCode {
         }
         if signal_rank == Some(rank) && batch == signal_at && attempt == 0 {
             err_line(format!(
-                "ddp-worker rank {rank}: sending itself SIGTERM at batch {batch}"
+                "ddp-worker rank {rank}: sending itself signal {signal} at batch {batch}"
             ));
             // SAFETY: `raise` only sends a signal to this process.
             unsafe {
-                libc::raise(libc::SIGTERM);
+                libc::raise(signal);
             }
         }
         if batch == 2
@@ -264,9 +273,12 @@ fn main() -> ExitCode {
             .with_first_bucket_cap_bytes(first)
             .with_bucket_cap_bytes(rest);
     }
-    // A restart by the launcher resumes by itself (DdpStrategy::from_env notices it).
-    if args.resume {
-        config = config.with_resume(true);
+    // A restart by the launcher resumes its own run by itself (DdpStrategy::from_env notices
+    // it); `--resume` points at the checkpoint directory, whichever run wrote it.
+    if args.resume
+        && let Some(dir) = &args.checkpoint_dir
+    {
+        config = config.with_resume_from(dir.join("checkpoint"));
     }
     // Threads (--threads) or this process's rank, built from the launcher's environment in one
     // call, as a user's program would.

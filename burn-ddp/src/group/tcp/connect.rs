@@ -2,7 +2,7 @@
 //! rank connects to the lower) introduced by a handshake (magic, version, world size, rank,
 //! round), and the fast failure of an address a peer cannot use.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
@@ -10,26 +10,69 @@ use std::time::{Duration, Instant};
 
 use super::wire::Peer;
 use super::{ABORT_POLL_INTERVAL, TcpGroup};
+use crate::auth::{self, JobIdentity, Role, Service};
 use crate::rendezvous::rendezvous;
 use crate::topology::Topology;
 use crate::{DdpError, Result};
 
-const MAGIC: u32 = 0x4244_5050; // "BDPP"
-const VERSION: u32 = 2;
+/// Connections at most in their handshake at once (more are closed at once).
+const MAX_HANDSHAKES: usize = 32;
 
 /// Options of [`TcpGroup::connect`].
 #[derive(Debug, Clone)]
 pub struct TcpGroupOptions {
     /// How long the rendezvous and the connection set-up may take (default 300 s).
     pub connect_timeout: Duration,
+    /// The job this process belongs to (its run id and key); `None` (the default): from the
+    /// environment ([`JobIdentity::from_env`]), with `tcp-MASTER_ADDR:MASTER_PORT` as the run id
+    /// when neither `BURN_DDP_RUN_ID` nor a scheduler gives one.
+    pub job: Option<JobIdentity>,
 }
 
 impl Default for TcpGroupOptions {
     fn default() -> Self {
         Self {
             connect_timeout: crate::rendezvous::DEFAULT_RENDEZVOUS_TIMEOUT,
+            job: None,
         }
     }
+}
+
+/// How long a connection between two ranks has for its handshake.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// A rank's handshake context: rank, world size, restart round.
+fn context(rank: usize, world_size: usize, round: u64) -> Vec<u8> {
+    let mut c = Vec::with_capacity(16);
+    c.extend_from_slice(&(rank as u32).to_le_bytes());
+    c.extend_from_slice(&(world_size as u32).to_le_bytes());
+    c.extend_from_slice(&round.to_le_bytes());
+    c
+}
+
+/// A rank's handshake context, for tests that speak the handshake themselves.
+#[cfg(test)]
+pub(crate) fn tests_context(rank: usize, world_size: usize, round: u64) -> Vec<u8> {
+    context(rank, world_size, round)
+}
+
+/// The rank, world size and round of a handshake context.
+fn parse_context(c: &[u8]) -> Option<(usize, usize, u64)> {
+    let word = |i: usize| Some(u32::from_le_bytes(c.get(i..i + 4)?.try_into().ok()?) as usize);
+    Some((
+        word(0)?,
+        word(4)?,
+        u64::from_le_bytes(c.get(8..16)?.try_into().ok()?),
+    ))
+}
+
+/// The run id of a process group that meets through the store at `topology`'s address when no
+/// `BURN_DDP_RUN_ID` or scheduler names one (every rank computes the same).
+pub(crate) fn default_run_id(topology: &Topology) -> String {
+    format!(
+        "tcp-{}",
+        crate::store::host_port(&topology.master_addr, topology.master_port)
+    )
 }
 
 impl TcpGroup {
@@ -81,8 +124,12 @@ impl TcpGroup {
             }
             _ => None,
         };
+        let job = match &options.job {
+            Some(job) => job.clone(),
+            None => JobIdentity::from_env(&default_run_id(topology))?,
+        };
         let mut listening = None;
-        let rendezvous = rendezvous(topology, options.connect_timeout, |store_ip| {
+        let rendezvous = rendezvous(topology, options.connect_timeout, &job, |store_ip| {
             let ip = interface.unwrap_or(store_ip);
             let listener =
                 TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| DdpError::Connect {
@@ -111,15 +158,7 @@ impl TcpGroup {
         };
 
         let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
-        let hello = |stream: &mut TcpStream| -> io::Result<()> {
-            let mut h = [0u8; 24];
-            h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-            h[4..8].copy_from_slice(&VERSION.to_le_bytes());
-            h[8..12].copy_from_slice(&(world_size as u32).to_le_bytes());
-            h[12..16].copy_from_slice(&(rank as u32).to_le_bytes());
-            h[16..24].copy_from_slice(&topology.restart_count.to_le_bytes());
-            stream.write_all(&h)
-        };
+        let mine = context(rank, world_size, topology.restart_count);
         // Connect to every lower rank.
         for (peer, addr) in rendezvous.peer_addrs.iter().enumerate().take(rank) {
             let connect_error = |detail: String| DdpError::Connect {
@@ -138,52 +177,67 @@ impl TcpGroup {
             // connects in milliseconds. Fail within seconds, naming the fix, and tell the peers
             // through the store so they do not wait for this connection until their timeout.
             let first_try = Instant::now();
-            let mut stream = loop {
-                match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
-                    Ok(stream) => break stream,
-                    Err(e) => {
-                        let unusable = matches!(
-                            e.kind(),
-                            io::ErrorKind::ConnectionRefused
-                                | io::ErrorKind::HostUnreachable
-                                | io::ErrorKind::NetworkUnreachable
-                                | io::ErrorKind::AddrNotAvailable
-                        );
-                        let waited = first_try.elapsed();
-                        let give_up = if unusable {
-                            UNUSABLE_ADDRESS_GRACE
-                        } else {
-                            UNREACHABLE_ADDRESS_WINDOW
-                        };
-                        if waited >= give_up || deadline.is_some_and(|d| Instant::now() >= d) {
-                            let err = connect_error(unusable_address(
-                                peer,
-                                addr,
-                                &e,
-                                waited,
-                                topology,
-                                &rendezvous.store.local_ip(),
-                            ));
-                            let _ = rendezvous
-                                .store
-                                .set(&Self::abort_key(&rendezvous), err.to_string().as_bytes());
-                            return Err(err);
+            let (stream, theirs) = loop {
+                let mut stream = loop {
+                    match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
+                        Ok(stream) => break stream,
+                        Err(e) => {
+                            let unusable = matches!(
+                                e.kind(),
+                                io::ErrorKind::ConnectionRefused
+                                    | io::ErrorKind::HostUnreachable
+                                    | io::ErrorKind::NetworkUnreachable
+                                    | io::ErrorKind::AddrNotAvailable
+                            );
+                            let waited = first_try.elapsed();
+                            let give_up = if unusable {
+                                UNUSABLE_ADDRESS_GRACE
+                            } else {
+                                UNREACHABLE_ADDRESS_WINDOW
+                            };
+                            if waited >= give_up || deadline.is_some_and(|d| Instant::now() >= d) {
+                                let err = connect_error(unusable_address(
+                                    peer,
+                                    addr,
+                                    &e,
+                                    waited,
+                                    topology,
+                                    &rendezvous.store.local_ip(),
+                                ));
+                                let _ = rendezvous
+                                    .store
+                                    .set(&Self::abort_key(&rendezvous), err.to_string().as_bytes());
+                                return Err(err);
+                            }
+                            std::thread::sleep(Duration::from_millis(100));
                         }
+                    }
+                };
+                // The job's handshake: the lower rank challenges, both prove the job's key, and
+                // the acceptor checks this rank's place in the job.
+                match auth::connect(
+                    &mut stream,
+                    &job,
+                    Service::Group,
+                    Role::Worker,
+                    &mine,
+                    HANDSHAKE_DEADLINE,
+                ) {
+                    Ok(theirs) => break (stream, theirs),
+                    // The peer has many connections in their handshake (strangers?): again.
+                    Err(auth::Refusal::Busy) if deadline.is_none_or(|d| Instant::now() < d) => {
                         std::thread::sleep(Duration::from_millis(100));
                     }
+                    Err(why) => return Err(connect_error(format!("handshake: {why}"))),
                 }
             };
-            hello(&mut stream).map_err(|e| connect_error(format!("handshake: {e}")))?;
-            // The acceptor answers 1 (accepted) or 0 followed by why it refused.
-            let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-            let mut answer = [0u8; 1];
-            stream
-                .read_exact(&mut answer)
-                .map_err(|e| connect_error(format!("no answer to the handshake: {e}")))?;
-            if answer[0] != 1 {
-                let mut reason = String::new();
-                let _ = stream.read_to_string(&mut reason);
-                return Err(connect_error(format!("refused the connection: {reason}")));
+            if parse_context(&theirs) != Some((peer, world_size, topology.restart_count)) {
+                return Err(connect_error(format!(
+                    "the process there is not rank {peer} of this job's world of {world_size} in \
+                     round {} (it says {:?})",
+                    topology.restart_count,
+                    parse_context(&theirs)
+                )));
             }
             peers[peer] = Some(Peer::new(addr.clone(), stream).map_err(connect_error)?);
         }
@@ -199,60 +253,89 @@ impl TcpGroup {
         let mut refused: Vec<String> = Vec::new();
         let abort_key = Self::abort_key(&rendezvous);
         let mut abort_polled = Instant::now();
+        // Handshakes run on threads of their own, a bounded number at once, so a connection
+        // that stays silent (or sends garbage) cannot hold this loop from the real ranks.
+        type Shaken = (SocketAddr, TcpStream, std::result::Result<usize, String>);
+        let (shaken_tx, shaken_rx) = std::sync::mpsc::channel::<Shaken>();
+        let handshaking = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         while peers.iter().skip(rank + 1).any(Option::is_none) {
+            while let Ok((from, stream, verdict)) = shaken_rx.try_recv() {
+                match verdict.and_then(|peer| {
+                    if peers[peer].is_some() {
+                        Err(format!(
+                            "{from} claims rank {peer}, which is connected already"
+                        ))
+                    } else {
+                        Ok(peer)
+                    }
+                }) {
+                    Ok(peer) => {
+                        let addr = from.to_string();
+                        peers[peer] = Some(Peer::new(addr.clone(), stream).map_err(|detail| {
+                            DdpError::Connect {
+                                rank,
+                                peer,
+                                addr,
+                                detail,
+                            }
+                        })?);
+                    }
+                    Err(why) => {
+                        tracing::warn!("burn-ddp: rank {rank}: refused a connection: {why}");
+                        refused.push(why);
+                    }
+                }
+            }
+            if peers.iter().skip(rank + 1).all(Option::is_some) {
+                break;
+            }
             match listener.accept() {
                 Ok((mut stream, from)) => {
-                    let _ = stream.set_nonblocking(false);
-                    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-                    let mut h = [0u8; 24];
-                    let field = |h: &[u8; 24], i: usize| {
-                        u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]) as usize
-                    };
-                    // `Ok(peer)`: a rank this one expects; `Err(why)`: refuse the connection.
-                    let verdict = match stream.read_exact(&mut h) {
-                        Err(e) => Err(format!("no handshake from {from}: {e}")),
-                        Ok(()) => {
-                            let round = word(&h[16..24]);
-                            let peer = field(&h, 12);
-                            if field(&h, 0) != MAGIC as usize || field(&h, 4) != VERSION as usize {
-                                Err(format!("{from} is not a burn-ddp rank (bad handshake)"))
-                            } else if field(&h, 8) != world_size || round != topology.restart_count
-                            {
-                                Err(format!(
-                                    "{from} (rank {peer}) says world size {} round {round}; rank \
-                                     {rank} has world size {world_size} round {}",
-                                    field(&h, 8),
-                                    topology.restart_count
-                                ))
-                            } else if peer <= rank || peer >= world_size || peers[peer].is_some() {
-                                Err(format!(
-                                    "{from} claims rank {peer}, which cannot connect to rank {rank}"
-                                ))
-                            } else {
-                                Ok(peer)
-                            }
-                        }
-                    };
-                    match verdict {
-                        Ok(peer) => {
-                            let addr = from.to_string();
-                            let _ = stream.write_all(&[1]);
-                            peers[peer] =
-                                Some(Peer::new(addr.clone(), stream).map_err(|detail| {
-                                    DdpError::Connect {
-                                        rank,
-                                        peer,
-                                        addr,
-                                        detail,
+                    use std::sync::atomic::Ordering;
+                    if handshaking.fetch_add(1, Ordering::Relaxed) >= MAX_HANDSHAKES {
+                        handshaking.fetch_sub(1, Ordering::Relaxed);
+                        auth::refuse_busy(&mut stream);
+                        continue;
+                    }
+                    let (job, mine, tx, count) = (
+                        job.clone(),
+                        mine.clone(),
+                        shaken_tx.clone(),
+                        handshaking.clone(),
+                    );
+                    let restart = topology.restart_count;
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name("burn-ddp-handshake".into())
+                            .spawn(move || {
+                                let _ = stream.set_nonblocking(false);
+                                let verdict = auth::accept(
+                                    &mut stream,
+                                    &job,
+                                    Service::Group,
+                                    &mine,
+                                    HANDSHAKE_DEADLINE,
+                                )
+                                .map_err(|why| format!("{from}: {why}"))
+                                .and_then(|accepted| match parse_context(&accepted.context) {
+                                    Some((peer, world, round))
+                                        if world == world_size
+                                            && round == restart
+                                            && peer > rank
+                                            && peer < world_size =>
+                                    {
+                                        Ok(peer)
                                     }
-                                })?);
-                        }
-                        Err(why) => {
-                            let _ = stream.write_all(&[0]);
-                            let _ = stream.write_all(why.as_bytes());
-                            tracing::warn!("burn-ddp: rank {rank}: refused a connection: {why}");
-                            refused.push(why);
-                        }
+                                    other => Err(format!(
+                                        "{from} says (rank, world size, round) {other:?}; rank \
+                                         {rank} has world size {world_size} round {restart}"
+                                    )),
+                                });
+                                count.fetch_sub(1, Ordering::Relaxed);
+                                let _ = tx.send((from, stream, verdict));
+                            });
+                    if spawned.is_err() {
+                        handshaking.fetch_sub(1, Ordering::Relaxed);
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -292,7 +375,7 @@ impl TcpGroup {
                             ),
                         });
                     }
-                    std::thread::sleep(Duration::from_millis(10));
+                    crate::net::wait_for_connection(&listener, Duration::from_millis(10));
                 }
                 Err(e) => {
                     return Err(DdpError::Connect {
@@ -319,13 +402,6 @@ impl TcpGroup {
             scratch: Mutex::new(Vec::new()),
         })
     }
-}
-
-/// The little-endian `u64` at the start of `bytes` (the handshake's round).
-fn word(bytes: &[u8]) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&bytes[..8]);
-    u64::from_le_bytes(w)
 }
 
 /// The variable naming the network interface whose address ranks listen on and publish (like

@@ -100,9 +100,24 @@ impl TcpGroup {
         (self.rank + self.world_size - 1) % self.world_size
     }
 
-    /// Runs one collective's body; on failure, aborts the group (telling every peer why).
+    /// Runs one collective's body; on failure, aborts the group (telling every peer why). A peer
+    /// that left after aborting the group (its reason is in the store) is reported with that
+    /// reason: the closed connection can reach this rank before the abort frame does.
     fn run<T>(&self, call: Call, body: impl FnOnce() -> Result<T>) -> Result<T> {
-        let result = body();
+        let mut result = body();
+        if let Err(DdpError::PeerLeft { rank, op, seq, .. }) = &result
+            && let Some(rendezvous) = &self.rendezvous
+            && let Ok(reason) = rendezvous
+                .store
+                .get(&Self::abort_key(rendezvous), Duration::from_millis(200))
+        {
+            result = Err(DdpError::Aborted {
+                rank: *rank,
+                op: *op,
+                seq: *seq,
+                cause: String::from_utf8_lossy(&reason).into_owned(),
+            });
+        }
         if let Err(err) = &result {
             self.abort_with(&err.to_string(), call);
         }
@@ -450,25 +465,55 @@ pub(crate) fn loopback_groups(
     n: usize,
     connect_timeout: Duration,
 ) -> (crate::store::StoreServer, Vec<TcpGroup>) {
-    use crate::topology::{Topology, TopologySource};
-    let server = crate::store::StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    loopback_groups_at(n, connect_timeout, "127.0.0.1")
+}
+
+/// Rank `rank` of `n` meeting through the store at `host:port`, as the tests' job.
+#[cfg(test)]
+pub(crate) fn test_topology(
+    rank: usize,
+    n: usize,
+    host: &str,
+    port: u16,
+) -> crate::topology::Topology {
+    crate::topology::Topology {
+        rank,
+        world_size: n,
+        local_rank: rank,
+        local_world_size: n,
+        master_addr: host.into(),
+        master_port: port,
+        agent_store: true,
+        restart_count: 0,
+        source: crate::topology::TopologySource::Torchrun,
+    }
+}
+
+/// [`loopback_groups`] with the store at `host` (`::1` for IPv6).
+#[cfg(test)]
+pub(crate) fn loopback_groups_at(
+    n: usize,
+    connect_timeout: Duration,
+    host: &str,
+) -> (crate::store::StoreServer, Vec<TcpGroup>) {
+    let server = crate::store::StoreServer::bind(
+        crate::store::bind_address(host, 0, false).unwrap(),
+        &crate::auth::test_job(),
+    )
+    .unwrap();
     let port = server.local_addr().port();
     let groups = std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
                 s.spawn(move || {
-                    let topology = Topology {
-                        rank,
-                        world_size: n,
-                        local_rank: rank,
-                        local_world_size: n,
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        agent_store: true,
-                        restart_count: 0,
-                        source: TopologySource::Torchrun,
-                    };
-                    TcpGroup::connect(&topology, &TcpGroupOptions { connect_timeout }).unwrap()
+                    TcpGroup::connect(
+                        &test_topology(rank, n, host, port),
+                        &TcpGroupOptions {
+                            connect_timeout,
+                            job: Some(crate::auth::test_job()),
+                        },
+                    )
+                    .unwrap()
                 })
             })
             .collect();
@@ -481,6 +526,7 @@ pub(crate) fn loopback_groups(
 mod tests {
     use super::*;
     use crate::group::ThreadGroup;
+    use std::net::SocketAddr;
 
     const T: Duration = Duration::from_secs(20);
 
@@ -571,8 +617,14 @@ mod tests {
             source: crate::topology::TopologySource::OpenMpi,
         };
         let started = Instant::now();
-        let err =
-            TcpGroup::connect(&topology, &TcpGroupOptions { connect_timeout: T }).unwrap_err();
+        let err = TcpGroup::connect(
+            &topology,
+            &TcpGroupOptions {
+                connect_timeout: T,
+                job: Some(crate::auth::test_job()),
+            },
+        )
+        .unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(1));
         assert!(
             matches!(&err, DdpError::Topology(m) if m.contains("MASTER_ADDR is not set")),
@@ -698,6 +750,126 @@ mod tests {
         match result {
             Err(DdpError::Timeout { missing, .. }) => assert_eq!(missing, &vec![1]),
             other => panic!("expected a timeout naming rank 1, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn ranks_meet_over_ipv6_loopback() {
+        if std::net::TcpListener::bind("[::1]:0").is_err() {
+            // A machine without an IPv6 loopback cannot run this; every other test covers IPv4.
+            eprintln!("skipped: this machine has no IPv6 loopback");
+            return;
+        }
+        let (_server, groups) = loopback_groups_at(2, T, "::1");
+        let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|g| {
+                    s.spawn(move || {
+                        let mut v = vec![g.rank() as f32 + 1.0; 3];
+                        g.all_reduce(&mut v, ReduceOp::Sum, T).unwrap();
+                        v
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(sums, vec![vec![3.0; 3]; 2]);
+    }
+
+    /// Rank 0 waits for rank 1 while `strangers` connect to its published address; then rank 1
+    /// comes. Returns the two ranks' sums of an all-reduce.
+    fn with_strangers_at_rank_0(strangers: impl FnOnce(SocketAddr)) -> Vec<Vec<f32>> {
+        let server = crate::store::StoreServer::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &crate::auth::test_job(),
+        )
+        .unwrap();
+        let port = server.local_addr().port();
+        let connect = move |rank| {
+            let g = TcpGroup::connect(
+                &test_topology(rank, 2, "127.0.0.1", port),
+                &TcpGroupOptions {
+                    connect_timeout: T,
+                    job: Some(crate::auth::test_job()),
+                },
+            )
+            .unwrap();
+            let mut v = vec![rank as f32 + 1.0; 4];
+            g.all_reduce(&mut v, ReduceOp::Sum, T).unwrap();
+            v
+        };
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(move || connect(0));
+            // Rank 0's address, as a member of the job reads it.
+            let store = crate::store::StoreClient::connect(
+                &format!("127.0.0.1:{port}"),
+                T,
+                &crate::auth::test_job(),
+                crate::auth::Role::Worker,
+            )
+            .unwrap();
+            let info = store.get("burn-ddp/round-0/rank/0/info", T).unwrap();
+            let info = String::from_utf8(info).unwrap();
+            let addr: SocketAddr = info.split(' ').nth(1).unwrap().parse().unwrap();
+            strangers(addr);
+            let rank1 = s.spawn(move || connect(1));
+            vec![rank0.join().unwrap(), rank1.join().unwrap()]
+        })
+    }
+
+    #[test]
+    fn strangers_at_a_ranks_port_are_refused_and_the_job_connects() {
+        use std::io::Write;
+        let mut silent = Vec::new();
+        let sums = with_strangers_at_rank_0(|addr| {
+            // A connection that never speaks, and the old public hello of a would-be rank 1.
+            silent.push(std::net::TcpStream::connect(addr).unwrap());
+            let mut hello = std::net::TcpStream::connect(addr).unwrap();
+            let _ = hello.write_all(&[0x50, 0x50, 0x44, 0x42, 2, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0]);
+            // A process with another token, claiming rank 1 properly otherwise.
+            let intruder = crate::auth::JobIdentity::new("unit-tests", Some(b"guess")).unwrap();
+            let mut claim = std::net::TcpStream::connect(addr).unwrap();
+            let refused = crate::auth::connect(
+                &mut claim,
+                &intruder,
+                crate::auth::Service::Group,
+                crate::auth::Role::Worker,
+                &super::connect::tests_context(1, 2, 0),
+                Duration::from_secs(5),
+            );
+            assert!(refused.is_err(), "an intruder passed: {refused:?}");
+        });
+        assert_eq!(sums, vec![vec![3.0; 4]; 2]);
+        drop(silent);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: std::env::var("BURN_DDP_FUZZ_CASES")
+                .ok()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(8),
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Random and truncated frames at a rank's port during set-up never stop the job.
+        #[test]
+        fn random_frames_at_a_ranks_port_never_stop_the_job(
+            frames in proptest::collection::vec(
+                proptest::collection::vec(proptest::prelude::any::<u8>(), 0..96),
+                1..4,
+            ),
+        ) {
+            use std::io::Write;
+            let sums = with_strangers_at_rank_0(|addr| {
+                for frame in &frames {
+                    if let Ok(mut stream) = std::net::TcpStream::connect(addr) {
+                        let _ = stream.write_all(frame);
+                    }
+                }
+            });
+            proptest::prop_assert_eq!(sums, vec![vec![3.0f32; 4]; 2]);
         }
     }
 }
