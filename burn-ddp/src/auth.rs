@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// The job token (a secret shared by every process of the job; any string).
 pub const JOB_TOKEN_VAR: &str = "BURN_DDP_JOB_TOKEN";

@@ -24,7 +24,7 @@ use burn::tensor::backend::Backend;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// A Burn file recorder that writes atomically: to a temporary file in the same directory, synced,
 /// then renamed over the final name. Reading is the wrapped recorder's.

@@ -4,9 +4,9 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::error::{DdpError, Result};
 use crate::group::DEFAULT_TIMEOUT;
-pub use crate::reducer::GradientCompression;
-use crate::{DdpError, Result};
+pub use crate::reducer::compress::GradientCompression;
 
 /// Size cap of a gradient bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.
 pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;

@@ -8,7 +8,9 @@ use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 
+use crate::config::{DdpConfig, NonFinite};
 use crate::context::RankHold;
+use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::lockstep::{Position, Probe};
 use crate::metrics::CommStats;
@@ -17,7 +19,6 @@ use crate::replica::{
     Replica, ReplicaLayout, average_selected, broadcast_autodiff_module, broadcast_selected,
     verify_values_across,
 };
-use crate::{DdpConfig, DdpError, NonFinite, Result};
 
 /// Gradient synchronisation for one replica of a model, for training loops you write yourself.
 ///

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use crate::group::Collective;
+use crate::group::collective::Collective;
 
 /// Result type of burn-ddp.
 pub type Result<T, E = DdpError> = std::result::Result<T, E>;
@@ -165,7 +165,7 @@ pub enum DdpError {
         remaining: Vec<usize>,
     },
 
-    /// The gradients of a step held NaN or infinity (with [`NonFinite::Error`](crate::NonFinite)).
+    /// The gradients of a step held NaN or infinity (with [`NonFinite::Error`](crate::config::NonFinite)).
     #[error(
         "non-finite gradients at step {step} of epoch {epoch} (seen by rank {rank}): NaN or infinity first appeared on rank(s) {ranks:?}"
     )]
@@ -394,7 +394,9 @@ impl DdpError {
     /// graceful stop after a signal, checkpoint written), 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            DdpError::Preempted { .. } | DdpError::Stopped { .. } => crate::PREEMPTED_EXIT_CODE,
+            DdpError::Preempted { .. } | DdpError::Stopped { .. } => {
+                crate::signals::PREEMPTED_EXIT_CODE
+            }
             _ => 1,
         }
     }
@@ -464,6 +466,17 @@ fn describe_left_early(ranks: &[usize]) -> String {
             "; ranks {ranks:?} had exited with code 0 before it while their peers were still \
              training (a rank whose loop ended early leaves its peers waiting for it)"
         ),
+    }
+}
+
+/// The message of a panic's payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
     }
 }
 

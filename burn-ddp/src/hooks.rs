@@ -25,9 +25,9 @@ use std::fmt;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::error::Result;
 use crate::group::{HalfFloat, ProcessGroup, ReduceOp};
 use crate::reducer::compress::{Fallback, GradientCompression, Wire, choose_wire};
-use crate::{DdpError, Result};
 
 /// One bucket of a step, as a hook sees it.
 #[derive(Debug)]
@@ -73,8 +73,10 @@ pub trait CommHook: Send + Sync + fmt::Debug {
     /// within `timeout`.
     ///
     /// # Errors
-    /// The collectives' errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...); a hook's
-    /// own errors as [`DdpError::InvalidConfig`] or [`DdpError::Bucket`].
+    /// The collectives' errors ([`Timeout`](crate::error::DdpError::Timeout),
+    /// [`PeerLeft`](crate::error::DdpError::PeerLeft), ...); a hook's own errors as
+    /// [`InvalidConfig`](crate::error::DdpError::InvalidConfig) or
+    /// [`Bucket`](crate::error::DdpError::Bucket).
     fn reduce(
         &self,
         group: &dyn ProcessGroup,
@@ -314,34 +316,6 @@ fn magnitudes(values: &[f32]) -> (f32, f32) {
         }
     }
     (max, min)
-}
-
-/// The hook a configuration asks for, checked against `group`: a user's, compression, or the
-/// default all-reduce.
-///
-/// # Errors
-/// [`DdpError::InvalidConfig`] for a user's hook on a group that reduces device buckets (NCCL).
-pub(crate) fn for_config(
-    config: &crate::DdpConfig,
-    group: &dyn ProcessGroup,
-) -> Result<std::sync::Arc<dyn CommHook>> {
-    if let Some(hook) = config.comm_hook() {
-        if group.reduces_device_tensors() {
-            return Err(DdpError::InvalidConfig(format!(
-                "the communication hook `{}` reduces host buckets, but the {} process group \
-                 reduces gradient buckets in device memory; use the built-in all-reduce or \
-                 DdpConfig::with_gradient_compression with it",
-                hook.name(),
-                group.backend()
-            )));
-        }
-        return Ok(hook.clone());
-    }
-    Ok(match config.gradient_compression() {
-        GradientCompression::None => std::sync::Arc::new(AllReduce),
-        GradientCompression::Bf16 => std::sync::Arc::new(Compress16::new(HalfFloat::Bf16)),
-        GradientCompression::F16 => std::sync::Arc::new(Compress16::new(HalfFloat::F16)),
-    })
 }
 
 #[cfg(test)]

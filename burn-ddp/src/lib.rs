@@ -65,9 +65,6 @@ pub use signals::PREEMPTED_EXIT_CODE;
 pub use strategy::{DdpStrategy, DdpTraining};
 pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};
 
-// Short paths for the crate's own modules.
-pub(crate) use config::{BufferSync, NonFinite, UnevenInputs, Validation};
-
 /// The README's and the user documentation's code blocks, compiled as doc-tests so they stay
 /// true.
 #[cfg(doctest)]

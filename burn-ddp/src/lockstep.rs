@@ -16,8 +16,8 @@
 //! the same path; when they differ, one all-gather of the positions names the ranks and what
 //! differs.
 
+use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
-use crate::{DdpError, Result};
 
 /// What must be equal on every rank at a gradient synchronisation. A field is 0 when the caller
 /// does not know it; every rank of a job knows the same fields (the same code runs everywhere).

@@ -16,7 +16,7 @@ use burn::optim::LearningRate;
 use burn::optim::lr_scheduler::LrScheduler;
 use burn::tensor::backend::Backend;
 
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// `base_lr * global_batch / reference_batch`: the learning rate for `global_batch` samples per
 /// optimizer step when `base_lr` was tuned for `reference_batch`.

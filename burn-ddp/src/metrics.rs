@@ -58,7 +58,7 @@ pub struct RankReport {
     /// Time in optimizer steps.
     pub optimizer: Duration,
     /// Optimizer steps skipped because the gradients were not finite
-    /// ([`NonFinite::SkipStep`](crate::NonFinite)).
+    /// ([`NonFinite::SkipStep`](crate::config::NonFinite)).
     pub skipped_steps: u64,
     /// Gradient synchronisation counters.
     pub comm: CommStats,
@@ -167,7 +167,7 @@ impl<R> MainProcessRenderer<R> {
     /// Keeps `renderer` if this process is the main one, drops it otherwise.
     pub fn new(renderer: R) -> Self {
         Self {
-            inner: crate::is_main_process().then_some(renderer),
+            inner: crate::context::is_main_process().then_some(renderer),
         }
     }
 
@@ -268,7 +268,7 @@ impl<L> MainProcessLogger<L> {
     /// Keeps `logger` if this process is the main one, drops it otherwise.
     pub fn new(logger: L) -> Self {
         Self {
-            inner: crate::is_main_process().then_some(logger),
+            inner: crate::context::is_main_process().then_some(logger),
         }
     }
 }

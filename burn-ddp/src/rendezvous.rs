@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::auth::{JobIdentity, Role};
+use crate::error::{DdpError, Result};
 use crate::store::{StoreClient, StoreServer, bind_address, host_port};
 use crate::topology::Topology;
-use crate::{DdpError, Result};
 
 /// Default rendezvous timeout: 300 s, like the collectives'.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);

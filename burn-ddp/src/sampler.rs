@@ -119,7 +119,7 @@ pub(crate) fn check_loader<B: Backend, O>(
         None => Ok(answer.fingerprint.unwrap_or(0)),
     }
 }
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// The distributed sampler: which samples each rank trains on, epoch by epoch.
 ///
@@ -249,7 +249,7 @@ impl DistributedSampler {
 
     /// Neither pads nor drops: the shards cover the dataset exactly once and their sizes differ
     /// by at most one sample (ranks below `len % world_size` get one more), so ranks can run out
-    /// of batches at different steps. For [`UnevenInputs::Join`](crate::UnevenInputs::Join),
+    /// of batches at different steps. For [`UnevenInputs::Join`](crate::config::UnevenInputs::Join),
     /// which handles exactly that.
     pub fn with_uneven_shards(mut self) -> Self {
         self.tail = Tail::Uneven;
@@ -498,7 +498,7 @@ where
         if under_strategy
             || !whole
             || self.sampler.world_size() < 2
-            || crate::world_size() < 2
+            || crate::context::world_size() < 2
             || self.warned_whole.swap(true, Ordering::Relaxed)
         {
             return;
@@ -507,7 +507,7 @@ where
             "rank {}: this DistributedDataLoader presents all {} ranks' shards, so this rank reads \
              the whole dataset; in a training loop of your own build its sampler with \
              DistributedSampler::with_rank(burn_ddp::rank())",
-            crate::rank(),
+            crate::context::rank(),
             self.sampler.world_size()
         ));
     }
@@ -583,7 +583,7 @@ where
         };
         // `burn_ddp::rank()` in a dataset's `get` or a batcher answers the replica's rank on the
         // workers too.
-        let (rank, world_size) = (crate::rank(), crate::world_size());
+        let (rank, world_size) = (crate::context::rank(), crate::context::world_size());
         let queues = (self.num_workers > 0).then(|| {
             (0..self.num_workers)
                 .map(|worker| {

@@ -29,7 +29,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::auth::{self, JobIdentity, Role, Service};
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;

@@ -73,7 +73,7 @@ fn host_sync_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     let mut data = tensor.into_data().convert::<f32>();
     let summed = match data.as_mut_slice::<f32>() {
         Ok(values) => group.all_reduce(values, ReduceOp::Sum, timeout),
-        Err(e) => Err(crate::DdpError::InvalidConfig(format!(
+        Err(e) => Err(crate::error::DdpError::InvalidConfig(format!(
             "SyncBatchNorm: statistics are not f32: {e:?}"
         ))),
     };
@@ -298,6 +298,6 @@ fn global_count(local: usize) -> u64 {
 /// Forward and backward passes cannot return errors: a failed collective unwinds with the
 /// [`DdpError`](crate::DdpError) itself as the panic payload, which `DdpStrategy` turns back into
 /// the error. The group is aborted already, so every other rank stops too.
-fn raise(err: crate::DdpError) -> ! {
+fn raise(err: crate::error::DdpError) -> ! {
     std::panic::panic_any(err)
 }

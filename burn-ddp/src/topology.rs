@@ -25,7 +25,7 @@
 
 use std::fmt;
 
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// PyTorch's default rendezvous port, used when a scheduler gives no `MASTER_PORT`.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;

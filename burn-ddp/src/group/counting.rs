@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::{HalfFloat, ProcessGroup, ReduceOp};
-use crate::Result;
+use crate::error::Result;
 
 /// Forwards every call to `inner`, counting each collective (all-reduce, broadcast, barrier,
 /// all-gather, device all-reduce) once, whatever its size.
@@ -96,7 +96,7 @@ impl ProcessGroup for CountingGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ThreadGroup;
+    use crate::group::ThreadGroup;
 
     #[test]
     fn every_collective_is_counted_once_and_forwarded() {

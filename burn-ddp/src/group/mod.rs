@@ -27,16 +27,17 @@
 //! `mpi` feature, `MpiGroup` (the processes of an MPI job, over the site's MPI library; its
 //! reduction order is MPI's own and a failure ends the job with `MPI_Abort`, see its docs).
 
+pub(crate) mod collective;
 pub(crate) mod counting;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod tcp;
 mod thread;
 
-use std::fmt;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
+pub use collective::{Collective, HalfFloat, ReduceOp};
 #[cfg(feature = "mpi")]
 pub use mpi::{MPI_ABORT_EXIT_CODE, MpiGroup, launched_by_mpi};
 #[cfg(test)]
@@ -44,185 +45,12 @@ pub(crate) use tcp::loopback_groups;
 pub use tcp::{SOCKET_IFNAME_VAR, TcpGroup, TcpGroupOptions};
 pub use thread::ThreadGroup;
 
-use crate::Result;
+use crate::error::Result;
 
 /// Default timeout of a collective: 300 s (the timeout the project's design card sets; PyTorch's
 /// NCCL default is 600 s, Gloo's 1800 s). Configurable per call and in
 /// [`DdpConfig`](crate::DdpConfig).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// How an all-reduce combines the ranks' buffers, element by element.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    /// Sum over ranks (in ring order, see the [module docs](self)).
-    Sum,
-    /// The sum divided by `world_size`: the gradient average of data parallelism.
-    Avg,
-}
-
-impl fmt::Display for ReduceOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Avg => "avg",
-        })
-    }
-}
-
-/// One collective call with its arguments, as compared across ranks and named in errors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Collective {
-    /// In-place all-reduce of `len` `f32` values.
-    AllReduce {
-        /// The reduction.
-        op: ReduceOp,
-        /// Number of `f32` elements.
-        len: usize,
-    },
-    /// Broadcast of `len` `f32` values from `root`.
-    Broadcast {
-        /// The rank whose buffer is copied to every other rank.
-        root: usize,
-        /// Number of `f32` elements.
-        len: usize,
-    },
-    /// Wait until every rank has arrived.
-    Barrier,
-    /// Every rank contributes `len` `u64` values and receives everyone's, rank-major.
-    AllGather {
-        /// Number of `u64` values contributed by each rank.
-        len: usize,
-    },
-    /// In-place all-reduce of `len` 16-bit floats.
-    AllReduceHalf {
-        /// The reduction.
-        op: ReduceOp,
-        /// Number of 16-bit elements.
-        len: usize,
-        /// Their format.
-        format: HalfFloat,
-    },
-}
-
-/// A 16-bit floating-point format of [`ProcessGroup::all_reduce_half`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum HalfFloat {
-    /// bfloat16: `f32`'s range, 8 bits of significand.
-    Bf16,
-    /// IEEE binary16: 11 bits of significand, up to 65,504.
-    F16,
-}
-
-impl HalfFloat {
-    /// The value of `bits` in this format, as `f32` (exact).
-    pub fn to_f32(self, bits: u16) -> f32 {
-        match self {
-            HalfFloat::Bf16 => half::bf16::from_bits(bits).to_f32(),
-            HalfFloat::F16 => half::f16::from_bits(bits).to_f32(),
-        }
-    }
-
-    /// `value` rounded to this format (to nearest, ties to even), as its bits.
-    pub fn from_f32(self, value: f32) -> u16 {
-        match self {
-            HalfFloat::Bf16 => half::bf16::from_f32(value).to_bits(),
-            HalfFloat::F16 => half::f16::from_f32(value).to_bits(),
-        }
-    }
-}
-
-impl fmt::Display for HalfFloat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            HalfFloat::Bf16 => "bf16",
-            HalfFloat::F16 => "f16",
-        })
-    }
-}
-
-impl Collective {
-    /// The call as three numbers (operation code, length, argument), for a frame header or a
-    /// cross-rank check; [`decode`](Self::decode) reads them back.
-    pub(crate) fn encode(self) -> (u8, u64, u64) {
-        let op_code = |op: ReduceOp| match op {
-            ReduceOp::Sum => 0,
-            ReduceOp::Avg => 1,
-        };
-        match self {
-            Collective::AllReduce { op, len } => (1, len as u64, op_code(op)),
-            Collective::Broadcast { root, len } => (2, len as u64, root as u64),
-            Collective::Barrier => (3, 0, 0),
-            Collective::AllGather { len } => (4, len as u64, 0),
-            Collective::AllReduceHalf { op, len, format } => (
-                5,
-                len as u64,
-                op_code(op)
-                    | match format {
-                        HalfFloat::Bf16 => 0,
-                        HalfFloat::F16 => 2,
-                    },
-            ),
-        }
-    }
-
-    /// The call [`encode`](Self::encode) described; `None` for an unknown operation code.
-    pub(crate) fn decode(code: u8, len: u64, arg: u64) -> Option<Collective> {
-        let len = len as usize;
-        let op = |arg: u64| {
-            if arg & 1 == 0 {
-                ReduceOp::Sum
-            } else {
-                ReduceOp::Avg
-            }
-        };
-        Some(match code {
-            1 => Collective::AllReduce { op: op(arg), len },
-            2 => Collective::Broadcast {
-                root: arg as usize,
-                len,
-            },
-            3 => Collective::Barrier,
-            4 => Collective::AllGather { len },
-            5 => Collective::AllReduceHalf {
-                op: op(arg),
-                len,
-                format: if arg & 2 == 0 {
-                    HalfFloat::Bf16
-                } else {
-                    HalfFloat::F16
-                },
-            },
-            _ => return None,
-        })
-    }
-
-    /// The operation's name without arguments (`"all_reduce"`, `"broadcast"`, ...).
-    pub fn name(&self) -> &'static str {
-        match self {
-            Collective::AllReduce { .. } => "all_reduce",
-            Collective::Broadcast { .. } => "broadcast",
-            Collective::Barrier => "barrier",
-            Collective::AllGather { .. } => "all_gather",
-            Collective::AllReduceHalf { .. } => "all_reduce_half",
-        }
-    }
-}
-
-impl fmt::Display for Collective {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Collective::AllReduce { op, len } => write!(f, "all_reduce({op}, {len} f32)"),
-            Collective::Broadcast { root, len } => {
-                write!(f, "broadcast(root {root}, {len} f32)")
-            }
-            Collective::Barrier => f.write_str("barrier"),
-            Collective::AllGather { len } => write!(f, "all_gather({len} u64)"),
-            Collective::AllReduceHalf { op, len, format } => {
-                write!(f, "all_reduce_half({op}, {len} {format})")
-            }
-        }
-    }
-}
 
 /// `m`'s guard, also after a panic on another thread (the groups' state stays consistent: every
 /// update is one assignment).

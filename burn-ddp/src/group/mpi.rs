@@ -50,7 +50,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use super::{Collective, HalfFloat, ProcessGroup, ReduceOp, backoff, lock, reduce_widened};
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// The exit code of every process of a job ended by [`MpiGroup`] (`MPI_Abort`'s error code):
 /// 1, as [`DdpError::exit_code`] gives for any failure.

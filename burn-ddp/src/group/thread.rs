@@ -25,8 +25,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{Collective, ProcessGroup, ReduceOp};
+use crate::error::{DdpError, Result};
 use crate::partition::chunk_range;
-use crate::{DdpError, Result};
 
 /// One rank of a process group whose ranks are threads of the same process.
 ///

@@ -17,9 +17,9 @@ mod output;
 mod supervise;
 
 use crate::auth::{JOB_TOKEN_VAR, JobIdentity, Role, Secret};
+use crate::error::{DdpError, Result};
 use crate::store::{StoreClient, StoreServer};
 use crate::topology::DEFAULT_MASTER_PORT;
-use crate::{DdpError, Result};
 use supervise::{Failure, run_attempt};
 
 /// What to launch and how.
@@ -150,7 +150,7 @@ impl WorkerExit {
     /// Whether it stopped after a stop signal, its checkpoint written (exit code
     /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE)).
     pub fn preempted(&self) -> bool {
-        *self == WorkerExit::Code(crate::PREEMPTED_EXIT_CODE)
+        *self == WorkerExit::Code(crate::signals::PREEMPTED_EXIT_CODE)
     }
 }
 
@@ -308,7 +308,7 @@ fn run_job(
                 format!(
                     "; rank(s) {preempted:?} stopped at a step boundary (exit code {}; rank 0 \
                      wrote a step checkpoint if the run has a checkpoint directory)",
-                    crate::PREEMPTED_EXIT_CODE
+                    crate::signals::PREEMPTED_EXIT_CODE
                 )
             };
             return Err(DdpError::Stopped {

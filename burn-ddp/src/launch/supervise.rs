@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use super::output::pump;
 use super::{AttemptReport, LaunchConfig, ROUND_KEY, WorkerExit};
 use crate::auth::{JOB_TOKEN_VAR, JobIdentity};
+use crate::error::{DdpError, Result};
 use crate::store::StoreClient;
 use crate::topology::{AGENT_STORE_VAR, LAUNCHER_VAR, RESTART_COUNT_VAR};
-use crate::{DdpError, Result};
 
 /// Why an attempt ended early.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

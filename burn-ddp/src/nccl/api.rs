@@ -12,8 +12,8 @@ use super::library::{
     NCCL_HINT, NCCL_LIB_ENV, nccl_candidates, nccl_result_advice, nccl_result_name, open_first,
     python_package_roots,
 };
+use crate::error::{DdpError, Result};
 use crate::group::ReduceOp;
-use crate::{DdpError, Result};
 
 /// `ncclComm_t`: an opaque communicator handle.
 pub type RawComm = *mut c_void;

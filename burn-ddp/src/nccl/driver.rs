@@ -7,7 +7,7 @@ use std::ffi::c_int;
 
 use cudarc::driver::{result as cu, sys as cusys};
 
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// Checks what CubeCL needs at run time before anything touches a CUDA device (cudarc and CubeCL
 /// panic when a piece is missing): the CUDA driver library, NVRTC (CubeCL's kernel compiler),

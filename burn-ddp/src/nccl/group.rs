@@ -34,8 +34,8 @@ use super::api::{
 };
 use super::driver::{check_blocking_env, driver_error, grant_pool_access};
 pub use super::driver::{check_cuda_driver, cuda_device_count};
+use crate::error::{DdpError, Result};
 use crate::group::{Collective, ProcessGroup, ReduceOp, backoff};
-use crate::{DdpError, Result};
 
 mod collectives;
 use collectives::Step;
@@ -527,7 +527,7 @@ impl Drop for NcclGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ThreadGroup;
+    use crate::group::ThreadGroup;
     use crate::nccl::driver::check_blocking;
 
     #[test]
@@ -587,7 +587,7 @@ mod tests {
     #[test]
     fn group_for_device_keeps_the_host_group_for_cpu_devices_and_one_rank() {
         let host: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new_group(1).unwrap().remove(0));
-        let config = crate::DdpConfig::default();
+        let config = crate::config::DdpConfig::default();
         let cpu = burn::backend::flex::FlexDevice;
         let group = crate::nccl::group_for_device(host.clone(), &cpu, &config).unwrap();
         assert_eq!(group.backend(), "threads");

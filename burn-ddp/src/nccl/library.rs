@@ -17,7 +17,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// The environment variable that names the NCCL library to load.
 pub const NCCL_LIB_ENV: &str = "BURN_DDP_NCCL_LIB";

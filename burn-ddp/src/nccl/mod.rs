@@ -22,8 +22,9 @@ pub use library::NCCL_LIB_ENV;
 
 use std::sync::Arc;
 
+use crate::config::DdpConfig;
+use crate::error::Result;
 use crate::group::ProcessGroup;
-use crate::{DdpConfig, Result};
 
 /// The process group a replica on `device` trains with: an [`NcclGroup`] over `host` (same
 /// ranks, NCCL id shared through `host`) when `device` is a burn-cuda device and the world has

@@ -20,9 +20,9 @@ use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
 use super::compress::{Fallback, GradientCompression, Wire, choose_wire, from_wire, to_wire};
 use super::layout::BucketLayout;
 use super::{Control, Gradients, ReduceOptions, Reducer, register_shaped};
+use crate::error::{DdpError, Result};
 use crate::group::ReduceOp;
 use crate::replica::TensorSpec;
-use crate::{DdpError, Result};
 
 /// One phase's buckets after the all-reduce.
 pub(super) struct DevicePhase<B: Backend> {

@@ -17,9 +17,9 @@ use burn::tensor::{Tensor, TensorData};
 use super::checks::{Observed, observe_host};
 use super::layout::BucketLayout;
 use super::{Control, Gradients, ReduceOptions, Reducer, register_shaped};
+use crate::error::{DdpError, Result};
 use crate::hooks::{HookReport, HostBucket};
 use crate::replica::TensorSpec;
-use crate::{DdpError, Result};
 
 /// One phase's buckets after the reduction.
 pub(super) struct HostPhase {

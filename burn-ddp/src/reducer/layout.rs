@@ -95,7 +95,7 @@ pub(crate) fn trainable(layout: &ReplicaLayout) -> Vec<TensorSpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DdpConfig;
+    use crate::config::DdpConfig;
 
     #[test]
     fn buckets_follow_reverse_order_and_caps() {

@@ -54,11 +54,12 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use crate::group::{ProcessGroup, ReduceOp};
+use crate::config::DdpConfig;
+use crate::error::{DdpError, Result};
+use crate::group::{HalfFloat, ProcessGroup, ReduceOp};
 use crate::hooks::CommHook;
 use crate::metrics::CommStats;
 use crate::replica::{LayoutFingerprints, ReplicaLayout, ReplicaView, TensorSpec};
-use crate::{DdpConfig, DdpError, Result};
 use checks::{Observed, Verdict};
 use device::{DevicePhase, DeviceRead, observe_device};
 use gradients::{has_gradient, numels, register_shaped, take_flat, with_dims};
@@ -112,8 +113,7 @@ impl Reducer {
         config.validate()?;
         // Every rank has the same configuration and kind of group, so every rank fails here
         // alike; the abort covers a peer that does not.
-        let hook = crate::hooks::for_config(config, group.as_ref())
-            .inspect_err(|e| group.abort(&e.to_string()))?;
+        let hook = hook_for(config, group.as_ref()).inspect_err(|e| group.abort(&e.to_string()))?;
         replica.verify_across(group.as_ref(), config.timeout())?;
         let params = trainable(replica);
         let layout = BucketLayout::at_least_one(
@@ -642,6 +642,32 @@ impl<B: Backend> Phase<B> {
             Phase::Device(_, read) => read.control.clone(),
         }
     }
+}
+
+/// The hook a configuration asks for, checked against `group`: a user's, compression, or the
+/// default all-reduce.
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] for a user's hook on a group that reduces device buckets (NCCL).
+fn hook_for(config: &DdpConfig, group: &dyn ProcessGroup) -> Result<Arc<dyn CommHook>> {
+    if let Some(hook) = config.comm_hook() {
+        if group.reduces_device_tensors() {
+            return Err(DdpError::InvalidConfig(format!(
+                "the communication hook `{}` reduces host buckets, but the {} process group \
+                 reduces gradient buckets in device memory; use the built-in all-reduce or \
+                 DdpConfig::with_gradient_compression with it",
+                hook.name(),
+                group.backend()
+            )));
+        }
+        return Ok(hook.clone());
+    }
+    use crate::hooks::{AllReduce, Compress16};
+    Ok(match config.gradient_compression() {
+        GradientCompression::None => Arc::new(AllReduce),
+        GradientCompression::Bf16 => Arc::new(Compress16::new(HalfFloat::Bf16)),
+        GradientCompression::F16 => Arc::new(Compress16::new(HalfFloat::F16)),
+    })
 }
 
 #[cfg(test)]

@@ -24,8 +24,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
-use crate::{DdpError, Result};
 
 /// What a float tensor of a module is to data-parallel training.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -38,7 +38,7 @@ pub enum TensorKind {
     Frozen,
     /// State the forward pass updates (Burn's `RunningState`: BatchNorm's running mean and
     /// variance), PyTorch's buffers: kept identical across replicas after every step
-    /// ([`BufferSync`](crate::BufferSync)).
+    /// ([`BufferSync`](crate::config::BufferSync)).
     Buffer,
 }
 

@@ -13,8 +13,8 @@ use burn::tensor::{Tensor, TensorData};
 
 use super::ties::{NO_TIES, Ties};
 use super::*;
+use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
-use crate::{DdpError, Result};
 
 /// How [`Pack`] turns tensors into the `f32` words a collective moves.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -5,25 +5,79 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use burn::data::dataloader::Progress;
+use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::module::{AutodiffModule, Module};
-use burn::optim::GradientsAccumulator;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::Device;
 use burn::train::{
-    EventProcessorTraining, LearnerEvent, LearningComponentsTypes, TrainingBackend, TrainingModel,
+    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearningComponentsTypes,
+    TrainLoader, TrainStep, TrainingBackend, TrainingModel,
 };
 
 use super::lock;
 use super::policy::{Agreement, OnNonFinite, StepPolicy, StopVote, end_of_data};
-use super::report::ValidOutput;
-use super::resume::wait_for_epoch_checkpoint;
-use super::worker::{ModelOutput, Role, Worker};
+use super::rank::{Comm, ModelOutput, Role, ValidOutput};
+use super::report::{Meta, Reports};
+use super::resume::{Resume, wait_for_epoch_checkpoint};
+use super::startup::Startup;
+use super::validation::{ValidShard, Validating};
 use crate::checkpoint::{DdpState, StepState};
+use crate::config::{BufferSync, DdpConfig};
 use crate::ddp::DistributedDataParallel;
+use crate::error::{DdpError, Result};
+use crate::group::ProcessGroup;
 use crate::lockstep::Position;
-use crate::metrics::{EpochReport, RankReport};
-use crate::{BufferSync, DdpError, Result};
+use crate::metrics::{EpochReport, RankReport, TrainingReport};
+use crate::reducer::ReduceOutcome;
+
+/// The rank as the parts of its training see it ([`Comm`]), borrowing only the trainer's fields
+/// it names (so the role and the reports can be borrowed beside it).
+macro_rules! comm {
+    ($trainer:expr) => {
+        Comm {
+            rank: $trainer.rank,
+            group: &$trainer.group,
+            device: &$trainer.device,
+            timeout: $trainer.config.timeout(),
+        }
+    };
+}
+
+/// The input of a training step.
+type TrainingModelInput<LC> = <TrainingModel<LC> as TrainStep>::Input;
+
+/// Everything one rank needs, moved into its thread.
+pub(super) struct Trainer<LC: LearningComponentsTypes> {
+    pub rank: usize,
+    pub group: Arc<dyn ProcessGroup>,
+    pub device: Device<TrainingBackend<LC>>,
+    pub learner: Learner<LC>,
+    pub dataloader: TrainLoader<LC>,
+    pub role: Role<LC>,
+    pub config: DdpConfig,
+    pub interrupter: Interrupter,
+    pub grad_accumulation: usize,
+    pub epochs: std::ops::RangeInclusive<usize>,
+    pub report: Arc<Mutex<TrainingReport>>,
+    /// Average buffers (BatchNorm statistics) across ranks after every step: replicas in other
+    /// processes do not share Burn's `RunningState`.
+    pub average_buffers: bool,
+    /// Where the run starts: batches of the first epoch to skip, counters so far.
+    pub resume: Resume,
+    /// What rank 0 reports to burn-train of training.
+    pub reports: Reports<LC>,
+    /// This process's loaders as the ranks compare them at start-up (the other fields are
+    /// filled in by the rank).
+    pub loaders: Startup,
+    /// The run its checkpoints belong to.
+    pub run_id: String,
+    /// This rank's whole batches of the validation loader (sharded validation); `None`: rank 0
+    /// validates alone.
+    pub valid_shard: Option<ValidShard<LC>>,
+}
 
 /// Why an epoch's loop ended before its data.
 enum Stop {
@@ -42,7 +96,65 @@ struct Counters {
     synchronisations: u64,
 }
 
-impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC>
+/// The run's state across epochs.
+struct Run {
+    policy: StepPolicy,
+    counters: Counters,
+    /// Which tensors are buffers (BatchNorm statistics): a skipped step restores them.
+    buffers: Vec<bool>,
+}
+
+/// One epoch's training in progress: where the loop is and what it has done.
+struct EpochState<LC: LearningComponentsTypes> {
+    epoch: usize,
+    progress_global: Progress,
+    accumulator: GradientsAccumulator<TrainingModel<LC>>,
+    /// The buffers before this step's forward passes (a skipped step puts them back).
+    buffer_snapshot: Option<Vec<f32>>,
+    /// Optimizer steps taken this epoch.
+    steps: u64,
+    /// Batches of the epoch so far (a resumed run starts past the ones it trained).
+    step: usize,
+    stop: Option<Stop>,
+    /// This rank's samples; the epoch's total comes with the end-of-epoch all-gather.
+    local_samples: u64,
+}
+
+/// What an epoch's steps leave for its end.
+struct Trained {
+    steps: u64,
+    step: usize,
+    stop: Option<Stop>,
+    local_samples: u64,
+    train_time: std::time::Duration,
+    progress_global: Progress,
+}
+
+/// How a step of the loop ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// On to the next batch.
+    Batch,
+    /// Every rank is out of data (or, in join mode, nobody has a batch): the epoch's steps end.
+    EndOfData,
+}
+
+/// This rank's input to a step (`None`: it has no batch left).
+type Input<LC> = Option<TrainingModelInput<LC>>;
+
+/// One batch of a rank: what the loader gave and what training it produced.
+struct Batch<LC: LearningComponentsTypes> {
+    /// This rank's samples in it (0: none left).
+    samples: usize,
+    /// The rank has no batch left (outside join mode).
+    out_of_data: bool,
+    /// What the ranks agreed on before the step (join mode).
+    agreement: Option<Agreement>,
+    /// The step's output, for the reports (`None`: no batch).
+    item: Option<ModelOutput<LC>>,
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> Trainer<LC>
 where
     ModelOutput<LC>: 'static,
     ValidOutput<LC>: 'static,
@@ -54,351 +166,481 @@ where
         report: &mut RankReport,
         collectives: &AtomicU64,
     ) -> Result<()> {
-        let world_size = self.group.world_size();
-        let mut policy = StepPolicy::new(&self.config, self.grad_accumulation)?;
-        let mut counters = Counters {
-            optimizer_steps: self.resume.optimizer_steps,
-            synchronisations: self.resume.synchronisations,
+        let mut run = Run {
+            policy: StepPolicy::new(&self.config, self.grad_accumulation)?,
+            counters: Counters {
+                optimizer_steps: self.resume.optimizer_steps,
+                synchronisations: self.resume.synchronisations,
+            },
+            // BatchNorm statistics are updated in the forward pass: a skipped step must undo
+            // that. Only buffers: frozen weights do not change.
+            buffers: ddp.replica_layout().buffer_mask(),
         };
-        // BatchNorm statistics are updated in the forward pass: a skipped step must undo that.
-        // Only buffers: frozen weights do not change.
-        let buffers = ddp.replica_layout().buffer_mask();
-        let has_buffers = buffers.contains(&true);
-        let first_epoch = *self.epochs.start();
-
         for epoch in self.epochs.clone() {
-            let epoch_start = Instant::now();
-            policy.start_epoch();
-            let progress_global = Progress::new(epoch, *self.epochs.end());
-            let dataloader = self.dataloader.clone();
-            // burn-train's epoch k is sampler epoch k - 1: a resumed run gets the order the
-            // uninterrupted run would have had, without the user telling the loader.
-            let _epoch = crate::sampler::enter_epoch(epoch as u64 - 1);
-            let mut iterator = dataloader.iter();
-            // A run resumed from a step checkpoint skips the batches that were trained.
-            let skip = if epoch == first_epoch {
-                self.resume.batches
-            } else {
-                0
-            };
-            for _ in 0..skip {
-                if iterator.next().is_none() {
-                    break;
-                }
+            let trained = self.train_epoch(epoch, &mut run, ddp, report, collectives)?;
+            if let Some(Stop::Signal(signalled)) = trained.stop {
+                return Err(self.stop_for_signal(epoch, trained.step, &run.counters, signalled));
             }
-            let mut accumulator = GradientsAccumulator::<TrainingModel<LC>>::new();
-            let mut buffer_snapshot: Option<Vec<f32>> = None;
-            let mut steps = 0u64;
-            let mut step = skip;
-            let mut stop = None;
-            self.start_reports(skip);
-            let collectives_before = collectives.load(Ordering::Relaxed);
-            // Local counts; the epoch's totals come with the end-of-epoch all-gather.
-            let mut local_samples = 0u64;
-            loop {
-                let before = iterator.progress().items_processed;
-                let item = iterator.next();
-                let samples = match &item {
-                    Some(_) => iterator
-                        .progress()
-                        .items_processed
-                        .saturating_sub(before)
-                        .max(1),
-                    None => 0,
-                };
-                local_samples += samples as u64;
-                // Join mode: every step starts with an agreement on who still has a batch (the
-                // weights of the reduction depend on it). Otherwise every rank has a batch until
-                // all run out together, and the stop votes ride in the gradient all-reduce: one
-                // collective per step. A rank out of data takes part in one more reduction,
-                // without gradients and saying so: every rank issues the same collectives (even
-                // NCCL, which cannot tell calls apart, learns of uneven data), unless the others
-                // are inside an accumulation window or SyncBatchNorm's forward pass, where the
-                // reduction meets another collective (Mismatch on the CPU groups).
-                let out_of_data = !policy.join() && item.is_none();
-                let agreement = if policy.join() {
-                    let started = Instant::now();
-                    let agreement = self.agree(samples)?;
-                    report.coordination += started.elapsed();
-                    if agreement.interrupted {
-                        stop = Some(Stop::Interrupted);
-                        break;
-                    }
-                    // A stop signal is taken at an optimizer step's boundary, on every rank
-                    // alike.
-                    if !agreement.signalled.is_empty() && policy.at_step_boundary() {
-                        stop = Some(Stop::Signal(agreement.signalled));
-                        break;
-                    }
-                    if agreement.samples.iter().all(|&s| s == 0) {
-                        break;
-                    }
-                    Some(agreement)
-                } else {
-                    None
-                };
-                if has_buffers && policy.may_skip() && policy.at_step_boundary() {
-                    // Taken before this step's forward passes touch BatchNorm statistics.
-                    buffer_snapshot = Some(crate::replica::snapshot_selected(
-                        &self.learner.model(),
-                        &buffers,
-                    ));
-                }
-                if !out_of_data {
-                    // As burn-train's own loop: the scheduler steps once per batch (micro-batch
-                    // with gradient accumulation), before the batch's forward pass; in join mode
-                    // also on a rank without a batch, since the step goes on.
-                    self.learner.lr_step();
-                }
-                let output = item.map(|item| {
-                    let started = Instant::now();
-                    let output = self.learner.train_step(item);
-                    report.compute += started.elapsed();
-                    report.batches += 1;
-                    output
-                });
-                if policy.join() && crate::sync_bn::used_on_this_thread() {
-                    return Err(DdpError::InvalidConfig(
-                        "SyncBatchNorm cannot be combined with UnevenInputs::Join: a rank without \
-                         a batch skips its forward pass and its SyncBatchNorm collectives"
-                            .into(),
-                    ));
-                }
-                let (grads, item) = match output {
-                    Some(output) => (Some(output.grads), Some(output.item)),
-                    // Join mode: this rank ran out of batches and contributes zeros.
-                    None => (None, None),
-                };
-                let ready = if out_of_data {
-                    // Micro-batches left over are dropped, as burn-train does.
-                    Some(None)
-                } else if policy.accumulates() {
-                    let complete = policy.micro_batch_done();
-                    if let Some(grads) = grads {
-                        accumulator.accumulate(&self.learner.model(), grads);
-                    }
-                    complete.then(|| Some(accumulator.grads()))
-                } else {
-                    Some(grads)
-                };
-                if let Some(grads) = ready {
-                    let mut options = match &agreement {
-                        Some(agreement) => policy.reduce_options(samples as u64, agreement.total()),
-                        None => policy.reduce_options(samples as u64, 0),
-                    };
-                    if agreement.is_none() {
-                        // Read after this step's forward and backward passes: an interrupt
-                        // raised during them stops training after this step.
-                        options.words = StopVote {
-                            interrupt: self.interrupter.should_stop(),
-                            signal: self.signal().is_some(),
-                            out_of_data,
-                        }
-                        .words();
-                    }
-                    // Where this rank is: the same on every rank, or the step fails.
-                    let position = Position {
-                        epoch: epoch as u64,
-                        batches: step as u64 + 1,
-                        // Compared with a DistributedDataLoader outside join mode only: join
-                        // mode weights ranks by their samples, which may differ, and a Burn
-                        // loader with workers hands out its short batches in any order.
-                        samples: if policy.join() || self.loaders.train_loader == 0 {
-                            0
-                        } else {
-                            samples as u64
-                        },
-                        lr_bits: self.learner.lr_current().to_bits(),
-                        probe: 0,
-                    };
-                    let (outcome, in_step) =
-                        ddp.sync_at(&self.learner.model(), grads, options, position)?;
-                    let votes = StopVote::from_reduced(&outcome.words);
-                    if votes.out_of_data {
-                        // Some rank is out of data: every rank is here, and compares batch
-                        // counts (one small all-gather, once per epoch when all is well).
-                        let started = Instant::now();
-                        let words = self.group.all_gather(
-                            &[u64::from(out_of_data), step as u64],
-                            self.config.timeout(),
-                        )?;
-                        report.coordination += started.elapsed();
-                        end_of_data(&words, self.rank, epoch, step)?;
-                        // Every rank ran out after as many batches: not a synchronisation.
-                        ddp.uncount_step();
-                        break;
-                    }
-                    in_step?;
-                    counters.synchronisations += 1;
-                    if outcome.non_finite {
-                        if policy.on_non_finite() == OnNonFinite::Fail {
-                            let flags = self.group.all_gather(
-                                &[u64::from(outcome.local_non_finite)],
-                                self.config.timeout(),
-                            )?;
-                            return Err(DdpError::NonFinite {
-                                rank: self.rank,
-                                epoch,
-                                step: steps + report.skipped_steps,
-                                ranks: (0..world_size).filter(|&r| flags[r] != 0).collect(),
-                            });
-                        }
-                        report.skipped_steps += 1;
-                        // The forward passes updated BatchNorm statistics with the bad batch.
-                        if let Some(snapshot) = &buffer_snapshot {
-                            let model = self.learner.model();
-                            // Fold the pending updates first, so they cannot land afterwards.
-                            let _ = model.valid();
-                            let model = crate::replica::restore_selected(model, snapshot, &buffers);
-                            self.learner.load_model(model.into_record());
-                        }
-                        tracing::warn!(
-                            "burn-ddp: rank {}: skipped step {step} of epoch {epoch}: the gradients \
-                             are not finite",
-                            self.rank
-                        );
-                    } else {
-                        let started = Instant::now();
-                        self.learner.optimizer_step(outcome.grads);
-                        report.optimizer += started.elapsed();
-                        steps += 1;
-                        counters.optimizer_steps += 1;
-                    }
-                    self.sync_buffers(ddp)?;
-                    let every = self.config.consistency_check_every();
-                    if every > 0 && counters.synchronisations.is_multiple_of(every) {
-                        ddp.check_consistency(&self.learner.model(), counters.optimizer_steps)?;
-                    }
-                    let every = self.config.checkpoint_every();
-                    let checkpoint_due = every > 0
-                        && !outcome.non_finite
-                        && counters.optimizer_steps.is_multiple_of(every);
-                    if votes.interrupt {
-                        // The step is trained: its due checkpoint is written before stopping.
-                        if checkpoint_due {
-                            self.step_checkpoint_meeting(epoch, step + 1, &counters)?;
-                        }
-                        stop = Some(Stop::Interrupted);
-                    } else if votes.signal {
-                        // Rare: one all-gather to name who was signalled, and with what.
-                        let all = self.group.all_gather(
-                            &[self.signal().map_or(0, |s| s as u64)],
-                            self.config.timeout(),
-                        )?;
-                        stop = Some(Stop::Signal(
-                            all.iter()
-                                .enumerate()
-                                .filter(|(_, s)| **s != 0)
-                                .map(|(r, s)| (r, *s as i32))
-                                .collect(),
-                        ));
-                    } else if checkpoint_due {
-                        self.step_checkpoint_meeting(epoch, step + 1, &counters)?;
-                    }
-                }
-                // Every rank reports every step (join mode: `None` without a batch), so rank 0
-                // can report one item per step covering the global batch.
-                let local = iterator.progress();
-                self.report_train(
-                    step,
-                    item,
-                    Progress::new(
-                        local.items_processed * world_size,
-                        local.items_total * world_size,
-                    ),
-                    &progress_global,
-                )?;
-                step += 1;
-                if stop.is_some() {
-                    // After the step that carried the vote (its batch is trained and counted).
-                    break;
-                }
-            }
-            let train_time = epoch_start.elapsed();
-            report.step_collectives += collectives.load(Ordering::Relaxed) - collectives_before;
-            drop(iterator);
-            if let Some(Stop::Signal(signalled)) = stop {
-                return Err(self.stop_for_signal(epoch, step, &counters, signalled));
-            }
-            let interrupted = stop.is_some();
-
-            let mut stop_requested = interrupted;
-            // Rank 0 reports the steps still on their way (process mode: a gather), then every
-            // rank validates its shard (or rank 0 the whole set).
-            self.finish_train_reports(&progress_global)?;
-            if let Role::Leader(leader) = &mut self.role {
-                leader
-                    .event_processor
-                    .process_train(LearnerEvent::EndEpoch(epoch));
-            }
-            if !interrupted {
-                self.validate_epoch(&progress_global)?;
-            }
-            // Rank 0: checkpoints and early stopping, on the epoch's own metrics.
-            let mut written = Ok(());
-            if matches!(self.role, Role::Leader(_)) && !interrupted {
-                written = self.write_epoch_checkpoint(epoch, &counters);
-                if written.is_ok()
-                    && let Role::Leader(leader) = &mut self.role
-                    && let Some(early_stopping) = &mut leader.early_stopping
-                    && early_stopping.should_stop(epoch, &leader.event_store)
-                {
-                    tracing::info!("burn-ddp: early stopping after epoch {epoch}");
-                    stop_requested = true;
-                }
-            }
-            // Everyone waits here while rank 0 writes checkpoints: the barrier after the
-            // checkpoint. It also carries the stop votes, stop signals, the samples each rank
-            // trained on, and whether rank 0's checkpoint failed.
-            let votes = self.group.all_gather(
-                &[
-                    u64::from(stop_requested || self.interrupter.should_stop()),
-                    self.signal().map_or(0, |s| s as u64),
-                    local_samples,
-                    u64::from(written.is_err()),
-                ],
-                self.config.epoch_end_timeout(),
-            )?;
-            if votes.chunks(4).any(|v| v[3] != 0) {
-                // Every rank fails, and the launcher does not take the job for done.
-                return Err(written.err().unwrap_or_else(|| DdpError::Checkpoint {
-                    path: self
-                        .config
-                        .checkpoint_dir()
-                        .map(|d| d.join(format!("model-{epoch}")).display().to_string())
-                        .unwrap_or_default(),
-                    detail: format!(
-                        "rank 0 could not write the checkpoint of epoch {epoch} (see rank 0's \
-                         error)"
-                    ),
-                }));
-            }
-            if let Role::Leader(_) = &self.role {
-                lock(&self.report).epochs.push(EpochReport {
-                    epoch,
-                    samples: votes.chunks(4).map(|v| v[2]).sum(),
-                    steps,
-                    train_time,
-                });
-            }
-            let signalled: Vec<(usize, i32)> = votes
-                .chunks(4)
-                .enumerate()
-                .filter(|(_, v)| v[1] != 0)
-                .map(|(r, v)| (r, v[1] as i32))
-                .collect();
-            let stopping = votes.chunks(4).any(|v| v[0] != 0);
-            if !signalled.is_empty() && epoch < *self.epochs.end() && !interrupted && !stopping {
-                // The epoch is complete: the next run starts with the next one.
-                return Err(self.stop_for_signal(epoch + 1, 0, &counters, signalled));
-            }
-            if stopping {
-                // Early stopping (or the interrupter) ends the run here anyway: it finishes
-                // normally even if a stop signal came in too, as after the last epoch.
+            if !self.end_epoch(epoch, trained, &run.counters)? {
                 break;
             }
         }
         Ok(())
+    }
+
+    /// The steps of `epoch`, until the data ends or a stop.
+    fn train_epoch(
+        &mut self,
+        epoch: usize,
+        run: &mut Run,
+        ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
+        report: &mut RankReport,
+        collectives: &AtomicU64,
+    ) -> Result<Trained> {
+        let started = Instant::now();
+        run.policy.start_epoch();
+        let dataloader = self.dataloader.clone();
+        // burn-train's epoch k is sampler epoch k - 1: a resumed run gets the order the
+        // uninterrupted run would have had, without the user telling the loader.
+        let _epoch = crate::sampler::enter_epoch(epoch as u64 - 1);
+        let mut iterator = dataloader.iter();
+        // A run resumed from a step checkpoint skips the batches that were trained.
+        let skip = if epoch == *self.epochs.start() {
+            self.resume.batches
+        } else {
+            0
+        };
+        for _ in 0..skip {
+            if iterator.next().is_none() {
+                break;
+            }
+        }
+        let mut state = EpochState {
+            epoch,
+            progress_global: Progress::new(epoch, *self.epochs.end()),
+            accumulator: GradientsAccumulator::new(),
+            buffer_snapshot: None,
+            steps: 0,
+            step: skip,
+            stop: None,
+            local_samples: 0,
+        };
+        self.reports.start(skip);
+        let collectives_before = collectives.load(Ordering::Relaxed);
+        loop {
+            let next = self.step(&mut state, &mut *iterator, run, ddp, report)?;
+            if matches!(next, Next::EndOfData) || state.stop.is_some() {
+                break;
+            }
+        }
+        report.step_collectives += collectives.load(Ordering::Relaxed) - collectives_before;
+        Ok(Trained {
+            steps: state.steps,
+            step: state.step,
+            stop: state.stop,
+            local_samples: state.local_samples,
+            train_time: started.elapsed(),
+            progress_global: state.progress_global,
+        })
+    }
+
+    /// One step of the loop: the next batch, its forward and backward passes, and (at an
+    /// optimizer step's boundary) the reduction and the update; then the step's report.
+    fn step(
+        &mut self,
+        state: &mut EpochState<LC>,
+        iterator: &mut dyn DataLoaderIterator<TrainingModelInput<LC>>,
+        run: &mut Run,
+        ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
+        report: &mut RankReport,
+    ) -> Result<Next> {
+        let Some((mut batch, input)) = self.next_batch(state, iterator, run, report)? else {
+            return Ok(Next::EndOfData);
+        };
+        if run.policy.may_skip() && run.policy.at_step_boundary() && run.buffers.contains(&true) {
+            // Taken before this step's forward passes touch BatchNorm statistics.
+            state.buffer_snapshot = Some(crate::replica::snapshot_selected(
+                &self.learner.model(),
+                &run.buffers,
+            ));
+        }
+        let grads = self.forward(input, &mut batch, run, report)?;
+        let ready = if batch.out_of_data {
+            // Micro-batches left over are dropped, as burn-train does.
+            Some(None)
+        } else if run.policy.accumulates() {
+            let complete = run.policy.micro_batch_done();
+            if let Some(grads) = grads {
+                state.accumulator.accumulate(&self.learner.model(), grads);
+            }
+            complete.then(|| Some(state.accumulator.grads()))
+        } else {
+            Some(grads)
+        };
+        if let Some(grads) = ready
+            && self.synchronise(state, &batch, grads, run, ddp, report)? == Next::EndOfData
+        {
+            return Ok(Next::EndOfData);
+        }
+        // Every rank reports every step (join mode: `None` without a batch), so rank 0 can
+        // report one item per step covering the global batch.
+        let world_size = self.group.world_size();
+        let local = iterator.progress();
+        let meta = Meta {
+            progress: Progress::new(
+                local.items_processed * world_size,
+                local.items_total * world_size,
+            ),
+            lr: Some(self.learner.lr_current()),
+        };
+        self.reports.train(
+            &mut self.role,
+            &comm!(self),
+            state.step,
+            batch.item,
+            meta,
+            &state.progress_global,
+        )?;
+        state.step += 1;
+        Ok(Next::Batch)
+    }
+
+    /// The next batch and what the ranks agreed on before it (join mode); `None` when the
+    /// epoch's steps end here (nobody has a batch, or a stop agreed in join mode).
+    fn next_batch(
+        &mut self,
+        state: &mut EpochState<LC>,
+        iterator: &mut dyn DataLoaderIterator<TrainingModelInput<LC>>,
+        run: &Run,
+        report: &mut RankReport,
+    ) -> Result<Option<(Batch<LC>, Input<LC>)>> {
+        let before = iterator.progress().items_processed;
+        let input = iterator.next();
+        let samples = match &input {
+            Some(_) => iterator
+                .progress()
+                .items_processed
+                .saturating_sub(before)
+                .max(1),
+            None => 0,
+        };
+        state.local_samples += samples as u64;
+        // Join mode: every step starts with an agreement on who still has a batch (the weights
+        // of the reduction depend on it). Otherwise every rank has a batch until all run out
+        // together, and the stop votes ride in the gradient all-reduce: one collective per step.
+        // A rank out of data takes part in one more reduction, without gradients and saying so:
+        // every rank issues the same collectives (even NCCL, which cannot tell calls apart,
+        // learns of uneven data), unless the others are inside an accumulation window or
+        // SyncBatchNorm's forward pass, where the reduction meets another collective (Mismatch
+        // on the CPU groups).
+        let agreement = if run.policy.join() {
+            let started = Instant::now();
+            let agreement = self.agree(samples)?;
+            report.coordination += started.elapsed();
+            if agreement.interrupted {
+                state.stop = Some(Stop::Interrupted);
+                return Ok(None);
+            }
+            // A stop signal is taken at an optimizer step's boundary, on every rank alike.
+            if !agreement.signalled.is_empty() && run.policy.at_step_boundary() {
+                state.stop = Some(Stop::Signal(agreement.signalled));
+                return Ok(None);
+            }
+            if agreement.samples.iter().all(|&s| s == 0) {
+                return Ok(None);
+            }
+            Some(agreement)
+        } else {
+            None
+        };
+        let batch = Batch {
+            samples,
+            out_of_data: !run.policy.join() && input.is_none(),
+            agreement,
+            item: None,
+        };
+        Ok(Some((batch, input)))
+    }
+
+    /// The learning-rate step and the batch's forward and backward passes: its gradients
+    /// (`None` without a batch); the output goes to `batch.item`.
+    fn forward(
+        &mut self,
+        input: Option<TrainingModelInput<LC>>,
+        batch: &mut Batch<LC>,
+        run: &Run,
+        report: &mut RankReport,
+    ) -> Result<Option<GradientsParams>> {
+        if !batch.out_of_data {
+            // As burn-train's own loop: the scheduler steps once per batch (micro-batch with
+            // gradient accumulation), before the batch's forward pass; in join mode also on a
+            // rank without a batch, since the step goes on.
+            self.learner.lr_step();
+        }
+        let output = input.map(|input| {
+            let started = Instant::now();
+            let output = self.learner.train_step(input);
+            report.compute += started.elapsed();
+            report.batches += 1;
+            output
+        });
+        if run.policy.join() && crate::sync_bn::used_on_this_thread() {
+            return Err(DdpError::InvalidConfig(
+                "SyncBatchNorm cannot be combined with UnevenInputs::Join: a rank without a \
+                 batch skips its forward pass and its SyncBatchNorm collectives"
+                    .into(),
+            ));
+        }
+        Ok(match output {
+            Some(output) => {
+                batch.item = Some(output.item);
+                Some(output.grads)
+            }
+            // Join mode: this rank ran out of batches and contributes zeros.
+            None => None,
+        })
+    }
+
+    /// The gradient reduction of an optimizer step (carrying the stop votes and this rank's
+    /// position) and what follows it: the update or a skipped step, the buffers, the checks,
+    /// the checkpoint due, the stops voted.
+    fn synchronise(
+        &mut self,
+        state: &mut EpochState<LC>,
+        batch: &Batch<LC>,
+        grads: Option<GradientsParams>,
+        run: &mut Run,
+        ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
+        report: &mut RankReport,
+    ) -> Result<Next> {
+        let samples = batch.samples as u64;
+        let mut options = run.policy.reduce_options(
+            samples,
+            batch.agreement.as_ref().map_or(0, Agreement::total),
+        );
+        if batch.agreement.is_none() {
+            // Read after this step's forward and backward passes: an interrupt raised during
+            // them stops training after this step.
+            options.words = StopVote {
+                interrupt: self.interrupter.should_stop(),
+                signal: self.signal().is_some(),
+                out_of_data: batch.out_of_data,
+            }
+            .words();
+        }
+        // Where this rank is: the same on every rank, or the step fails.
+        let position = Position {
+            epoch: state.epoch as u64,
+            batches: state.step as u64 + 1,
+            // Compared with a DistributedDataLoader outside join mode only: join mode weights
+            // ranks by their samples, which may differ, and a Burn loader with workers hands out
+            // its short batches in any order.
+            samples: if run.policy.join() || self.loaders.train_loader == 0 {
+                0
+            } else {
+                samples
+            },
+            lr_bits: self.learner.lr_current().to_bits(),
+            probe: 0,
+        };
+        let (outcome, in_step) = ddp.sync_at(&self.learner.model(), grads, options, position)?;
+        let votes = StopVote::from_reduced(&outcome.words);
+        if votes.out_of_data {
+            // Some rank is out of data: every rank is here, and compares batch counts (one small
+            // all-gather, once per epoch when all is well).
+            let started = Instant::now();
+            let words = self.group.all_gather(
+                &[u64::from(batch.out_of_data), state.step as u64],
+                self.config.timeout(),
+            )?;
+            report.coordination += started.elapsed();
+            end_of_data(&words, self.rank, state.epoch, state.step)?;
+            // Every rank ran out after as many batches: not a synchronisation.
+            ddp.uncount_step();
+            return Ok(Next::EndOfData);
+        }
+        in_step?;
+        run.counters.synchronisations += 1;
+        let stepped = self.apply(state, outcome, run, report)?;
+        self.sync_buffers(ddp)?;
+        let every = self.config.consistency_check_every();
+        if every > 0 && run.counters.synchronisations.is_multiple_of(every) {
+            ddp.check_consistency(&self.learner.model(), run.counters.optimizer_steps)?;
+        }
+        self.after_votes(state, votes, stepped, &run.counters)?;
+        Ok(Next::Batch)
+    }
+
+    /// The optimizer step on the averaged gradients, or the step skipped (non-finite
+    /// gradients: counted, the buffers put back) or failed ([`NonFinite::Error`]). Returns
+    /// whether the optimizer stepped.
+    fn apply(
+        &mut self,
+        state: &mut EpochState<LC>,
+        outcome: ReduceOutcome,
+        run: &mut Run,
+        report: &mut RankReport,
+    ) -> Result<bool> {
+        if !outcome.non_finite {
+            let started = Instant::now();
+            self.learner.optimizer_step(outcome.grads);
+            report.optimizer += started.elapsed();
+            state.steps += 1;
+            run.counters.optimizer_steps += 1;
+            return Ok(true);
+        }
+        if run.policy.on_non_finite() == OnNonFinite::Fail {
+            let flags = self.group.all_gather(
+                &[u64::from(outcome.local_non_finite)],
+                self.config.timeout(),
+            )?;
+            return Err(DdpError::NonFinite {
+                rank: self.rank,
+                epoch: state.epoch,
+                step: state.steps + report.skipped_steps,
+                ranks: (0..self.group.world_size())
+                    .filter(|&r| flags[r] != 0)
+                    .collect(),
+            });
+        }
+        report.skipped_steps += 1;
+        // The forward passes updated BatchNorm statistics with the bad batch.
+        if let Some(snapshot) = &state.buffer_snapshot {
+            let model = self.learner.model();
+            // Fold the pending updates first, so they cannot land afterwards.
+            let _ = model.valid();
+            let model = crate::replica::restore_selected(model, snapshot, &run.buffers);
+            self.learner.load_model(model.into_record());
+        }
+        tracing::warn!(
+            "burn-ddp: rank {}: skipped step {} of epoch {}: the gradients are not finite",
+            self.rank,
+            state.step,
+            state.epoch
+        );
+        Ok(false)
+    }
+
+    /// After a synchronisation: the periodic step checkpoint when due, and the stop the ranks
+    /// voted for (an interrupt, or a stop signal: then who was signalled, and with what).
+    fn after_votes(
+        &mut self,
+        state: &mut EpochState<LC>,
+        votes: StopVote,
+        stepped: bool,
+        counters: &Counters,
+    ) -> Result<()> {
+        let every = self.config.checkpoint_every();
+        let checkpoint_due = every > 0 && stepped && counters.optimizer_steps.is_multiple_of(every);
+        if votes.interrupt {
+            // The step is trained: its due checkpoint is written before stopping.
+            if checkpoint_due {
+                self.step_checkpoint_meeting(state.epoch, state.step + 1, counters)?;
+            }
+            state.stop = Some(Stop::Interrupted);
+        } else if votes.signal {
+            // Rare: one all-gather to name who was signalled, and with what.
+            let all = self.group.all_gather(
+                &[self.signal().map_or(0, |s| s as u64)],
+                self.config.timeout(),
+            )?;
+            state.stop = Some(Stop::Signal(
+                all.iter()
+                    .enumerate()
+                    .filter(|(_, s)| **s != 0)
+                    .map(|(r, s)| (r, *s as i32))
+                    .collect(),
+            ));
+        } else if checkpoint_due {
+            self.step_checkpoint_meeting(state.epoch, state.step + 1, counters)?;
+        }
+        Ok(())
+    }
+
+    /// The end of an epoch: rank 0 reports the steps still on their way, every rank validates,
+    /// rank 0 checkpoints and decides early stopping, and every rank meets in one all-gather
+    /// (the barrier after the checkpoint, carrying the stop votes, the stop signals, the samples
+    /// each rank trained on and whether rank 0's checkpoint failed). Returns whether training
+    /// goes on.
+    fn end_epoch(&mut self, epoch: usize, trained: Trained, counters: &Counters) -> Result<bool> {
+        let interrupted = trained.stop.is_some();
+        let progress_global = &trained.progress_global;
+        self.reports
+            .finish(&mut self.role, &comm!(self), progress_global)?;
+        if let Role::Leader(leader) = &mut self.role {
+            leader
+                .event_processor
+                .process_train(LearnerEvent::EndEpoch(epoch));
+        }
+        if !interrupted {
+            let model = self.learner.model().valid();
+            Validating {
+                comm: comm!(self),
+                role: &mut self.role,
+                reports: &mut self.reports,
+                interrupter: &self.interrupter,
+                progress_global,
+            }
+            .run(self.valid_shard.as_ref(), model)?;
+        }
+        // Rank 0: checkpoints and early stopping, on the epoch's own metrics.
+        let mut stop_requested = interrupted;
+        let mut written = Ok(());
+        if matches!(self.role, Role::Leader(_)) && !interrupted {
+            written = self.write_epoch_checkpoint(epoch, counters);
+            if written.is_ok()
+                && let Role::Leader(leader) = &mut self.role
+                && let Some(early_stopping) = &mut leader.early_stopping
+                && early_stopping.should_stop(epoch, &leader.event_store)
+            {
+                tracing::info!("burn-ddp: early stopping after epoch {epoch}");
+                stop_requested = true;
+            }
+        }
+        let votes = self.group.all_gather(
+            &[
+                u64::from(stop_requested || self.interrupter.should_stop()),
+                self.signal().map_or(0, |s| s as u64),
+                trained.local_samples,
+                u64::from(written.is_err()),
+            ],
+            self.config.epoch_end_timeout(),
+        )?;
+        if votes.chunks(4).any(|v| v[3] != 0) {
+            // Every rank fails, and the launcher does not take the job for done.
+            return Err(written.err().unwrap_or_else(|| DdpError::Checkpoint {
+                path: self
+                    .config
+                    .checkpoint_dir()
+                    .map(|d| d.join(format!("model-{epoch}")).display().to_string())
+                    .unwrap_or_default(),
+                detail: format!(
+                    "rank 0 could not write the checkpoint of epoch {epoch} (see rank 0's error)"
+                ),
+            }));
+        }
+        if let Role::Leader(_) = &self.role {
+            lock(&self.report).epochs.push(EpochReport {
+                epoch,
+                samples: votes.chunks(4).map(|v| v[2]).sum(),
+                steps: trained.steps,
+                train_time: trained.train_time,
+            });
+        }
+        let signalled: Vec<(usize, i32)> = votes
+            .chunks(4)
+            .enumerate()
+            .filter(|(_, v)| v[1] != 0)
+            .map(|(r, v)| (r, v[1] as i32))
+            .collect();
+        let stopping = votes.chunks(4).any(|v| v[0] != 0);
+        if !signalled.is_empty() && epoch < *self.epochs.end() && !interrupted && !stopping {
+            // The epoch is complete: the next run starts with the next one.
+            return Err(self.stop_for_signal(epoch + 1, 0, counters, signalled));
+        }
+        // Early stopping (or the interrupter) ends the run here anyway: it finishes normally
+        // even if a stop signal came in too, as after the last epoch.
+        Ok(!stopping)
     }
 
     /// One small all-gather per step: how many samples each rank's batch has (0: none left),

@@ -15,6 +15,7 @@
 
 mod epoch;
 mod policy;
+mod rank;
 mod report;
 mod resume;
 mod startup;
@@ -32,13 +33,16 @@ use burn::train::{
     TrainingComponents, TrainingModel, TrainingStrategy, ValidLoader,
 };
 
+use crate::config::{DdpConfig, UnevenInputs, Validation};
+use crate::error::{DdpError, Result};
 use crate::group::{ProcessGroup, ThreadGroup};
 use crate::metrics::TrainingReport;
-use crate::{DdpConfig, DdpError, Result, UnevenInputs, Validation};
-use report::{Part, Reports};
+use epoch::Trainer;
+use rank::{Leader, Part, Role};
+use report::Reports;
 use resume::StepCheckpoints;
 use validation::{ValidShard, ValidationPlan};
-use worker::{Leader, Role, Worker, run_all, split_train_loader};
+use worker::{run_all, split_train_loader};
 
 type InferenceModel<LC> = <LC as LearningComponentsTypes>::InferenceModel;
 
@@ -217,7 +221,7 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
             return Ok(Self::new(devices));
         };
         let device = local_device(&devices, topology.rank, topology.local_rank)?;
-        let group = crate::TcpGroup::connect(&topology, options)?;
+        let group = crate::group::TcpGroup::connect(&topology, options)?;
         crate::context::set_process(topology.rank, topology.world_size);
         let job = group.rendezvous().map(|r| r.job.clone());
         if let Some(job) = &job
@@ -308,8 +312,8 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
 
 impl<LC: LearningComponentsTypes + Send + 'static> From<DdpStrategy<LC>> for TrainingStrategy<LC>
 where
-    worker::ModelOutput<LC>: 'static,
-    report::ValidOutput<LC>: 'static,
+    rank::ModelOutput<LC>: 'static,
+    rank::ValidOutput<LC>: 'static,
 {
     fn from(strategy: DdpStrategy<LC>) -> Self {
         TrainingStrategy::Custom(Arc::new(strategy))
@@ -333,8 +337,8 @@ pub trait DdpTraining<LC: LearningComponentsTypes> {
 
 impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for SupervisedTraining<LC>
 where
-    worker::ModelOutput<LC>: 'static,
-    report::ValidOutput<LC>: 'static,
+    rank::ModelOutput<LC>: 'static,
+    rank::ValidOutput<LC>: 'static,
 {
     fn launch_ddp(
         self,
@@ -360,8 +364,8 @@ pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl<LC: LearningComponentsTypes + Send + 'static> SupervisedLearningStrategy<LC>
     for DdpStrategy<LC>
 where
-    worker::ModelOutput<LC>: 'static,
-    report::ValidOutput<LC>: 'static,
+    rank::ModelOutput<LC>: 'static,
+    rank::ValidOutput<LC>: 'static,
 {
     fn fit(
         &self,
@@ -395,7 +399,7 @@ where
                     // The process was asked to end, and the checkpoint is written: end it, with
                     // the documented exit code (`launch_ddp` returns the error instead).
                     crate::log::to_stderr(&format!("burn-ddp: {err}\n"));
-                    std::process::exit(crate::PREEMPTED_EXIT_CODE);
+                    std::process::exit(crate::signals::PREEMPTED_EXIT_CODE);
                 }
                 tracing::error!("burn-ddp: training failed: {err}");
                 // burn-train's `fit` cannot return an error and rank 0's event processor is
@@ -414,11 +418,38 @@ type RunOutcome<LC> = (
     Option<DdpError>,
 );
 
+/// What the strategy checked and cut before any rank starts: the ranks this process runs (with
+/// their groups), their training shards, and the loaders as the ranks compare them.
+struct Prepared<LC: LearningComponentsTypes> {
+    local: Vec<(usize, Arc<dyn ProcessGroup>)>,
+    shards: Vec<TrainLoader<LC>>,
+    loaders: startup::Startup,
+}
+
+/// How validation is run: sharded by whole batches (the plan), between processes only when the
+/// validation output type can travel (the codec); `None`: rank 0 validates alone.
+struct ValidationMode<LC: LearningComponentsTypes> {
+    plan: Option<ValidationPlan>,
+    codec: Option<crate::outputs::Codec<rank::ValidOutput<LC>, rank::InnerBackend<LC>>>,
+}
+
+/// What every rank of this process starts from.
+struct Start<LC: LearningComponentsTypes> {
+    learner: Learner<LC>,
+    resume: resume::Resume,
+    loaders: startup::Startup,
+    run_id: String,
+    interrupter: burn::train::Interrupter,
+    grad_accumulation: usize,
+    epochs: std::ops::RangeInclusive<usize>,
+}
+
 impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC>
 where
-    worker::ModelOutput<LC>: 'static,
-    report::ValidOutput<LC>: 'static,
+    rank::ModelOutput<LC>: 'static,
+    rank::ValidOutput<LC>: 'static,
 {
+    /// One training run: checks and shards, the resume, the ranks built and run, their reports.
     fn run(
         &self,
         components: TrainingComponents<LC>,
@@ -428,60 +459,16 @@ where
         starting_epoch: usize,
     ) -> Result<RunOutcome<LC>> {
         let world_size = self.world_size();
-        // The ranks this process runs, with their groups and devices.
-        let local: Result<Vec<(usize, Arc<dyn ProcessGroup>)>> = match &self.process_group {
-            Some(group) => Ok(vec![(group.rank(), group.clone())]),
-            None if world_size == 0 => Err(DdpError::InvalidConfig(
-                "DdpStrategy needs at least one device, got none".into(),
-            )),
-            None => ThreadGroup::new_group(world_size).map(|groups| {
-                groups
-                    .into_iter()
-                    .enumerate()
-                    .map(|(rank, g)| (rank, Arc::new(g) as Arc<dyn ProcessGroup>))
-                    .collect()
-            }),
-        };
-        let join = self.config.uneven_inputs() == UnevenInputs::Join;
-        let accumulation = components.grad_accumulation.unwrap_or(1);
         // Stop signals are recorded (not fatal) while the run lasts, so every rank can stop at
         // the same step and rank 0 can write a checkpoint of it.
         let _signals = self.config.stop_on_signal().then(crate::signals::arm);
-        let prepared = self.config.validate().and_then(|()| {
-            if join && accumulation > 1 {
-                return Err(DdpError::InvalidConfig(
-                    "UnevenInputs::Join cannot be combined with grads_accumulation".into(),
-                ));
-            }
-            let local = local?;
-            // A DistributedDataLoader built for another world size, or one that pads the
-            // validation set, is refused before anything starts.
-            let train_loader = crate::sampler::check_loader(
-                &*dataloader_train,
-                crate::sampler::Purpose::Training { world_size, join },
-            )?;
-            crate::sampler::check_loader(&*dataloader_valid, crate::sampler::Purpose::Validation)?;
-            let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
-            let shards = split_train_loader::<LC>(
-                &dataloader_train,
-                &ranks,
-                world_size,
-                &self.devices,
-                join,
-            )?;
-            let loaders = startup::Startup {
-                epochs: (0, 0),
-                resumed_batches: 0,
-                counters: (0, 0),
-                settings: 0,
-                train_items: dataloader_train.num_items() as u64,
-                train_loader,
-                valid_items: dataloader_valid.num_items() as u64,
-                valid_batch: 0,
-            };
-            Ok((local, shards, loaders))
-        });
-        let (local, shards, loaders) = match prepared {
+        let accumulation = components.grad_accumulation.unwrap_or(1);
+        let prepared = self.prepare(&dataloader_train, &dataloader_valid, accumulation);
+        let Prepared {
+            local,
+            shards,
+            loaders,
+        } = match prepared {
             Ok(prepared) => prepared,
             // Nothing started: hand burn-train its components back with the error, and tell the
             // other processes at once (they would wait for this one until their timeout).
@@ -501,11 +488,11 @@ where
             components.checkpointer.as_ref(),
             starting_epoch,
             &self.devices[0],
-            first_rank,
-            world_size,
             &resume::Resuming {
                 run_id: &run_id,
                 restarted: self.restarted,
+                rank: first_rank,
+                world_size,
             },
         );
         let (learner, resume) = match resumed {
@@ -520,14 +507,108 @@ where
             epochs: Vec::new(),
             ranks: Vec::new(),
         };
-        let threads = self.process_group.is_none();
+        self.announce(first_rank, shards[0].num_items());
+        let validation = self.validation_mode(&dataloader_valid, first_rank);
+        let start = Start {
+            learner,
+            loaders: startup::Startup {
+                valid_batch: validation.plan.map_or(0, |p| p.batch_size as u64),
+                ..loaders
+            },
+            run_id,
+            interrupter: components.interrupter.clone(),
+            grad_accumulation: accumulation.max(1),
+            epochs: resume.starting_epoch..=components.num_epochs,
+            resume,
+        };
+        let trainers = self.trainers(
+            local,
+            shards,
+            components,
+            &dataloader_valid,
+            &validation,
+            start,
+        );
+        let (ranks, leader_parts, error) = run_all(trainers, self.config.timeout());
+        self.finish(ranks, first_rank);
+        match leader_parts {
+            Some((model, processor)) => Ok((model, processor, error)),
+            // Rank 0's thread could not be started or is stuck: burn-train's event processor is
+            // with it, so `fit` has nothing to return and must panic, even under `launch_ddp`.
+            None => Err(error.unwrap_or_else(|| DdpError::WorkerPanicked {
+                rank: 0,
+                message: "rank 0 ended without returning its model".into(),
+            })),
+        }
+    }
+
+    /// The checks before anything starts (the configuration, join with accumulation, the
+    /// loaders), the ranks this process runs and their training shards.
+    fn prepare(
+        &self,
+        dataloader_train: &TrainLoader<LC>,
+        dataloader_valid: &ValidLoader<LC>,
+        accumulation: usize,
+    ) -> Result<Prepared<LC>> {
+        let world_size = self.world_size();
+        let join = self.config.uneven_inputs() == UnevenInputs::Join;
+        self.config.validate()?;
+        if join && accumulation > 1 {
+            return Err(DdpError::InvalidConfig(
+                "UnevenInputs::Join cannot be combined with grads_accumulation".into(),
+            ));
+        }
+        // The ranks this process runs, with their groups.
+        let local: Vec<(usize, Arc<dyn ProcessGroup>)> = match &self.process_group {
+            Some(group) => vec![(group.rank(), group.clone())],
+            None if world_size == 0 => {
+                return Err(DdpError::InvalidConfig(
+                    "DdpStrategy needs at least one device, got none".into(),
+                ));
+            }
+            None => ThreadGroup::new_group(world_size)?
+                .into_iter()
+                .enumerate()
+                .map(|(rank, g)| (rank, Arc::new(g) as Arc<dyn ProcessGroup>))
+                .collect(),
+        };
+        // A DistributedDataLoader built for another world size, or one that pads the validation
+        // set, is refused before anything starts.
+        let train_loader = crate::sampler::check_loader(
+            &**dataloader_train,
+            crate::sampler::Purpose::Training { world_size, join },
+        )?;
+        crate::sampler::check_loader(&**dataloader_valid, crate::sampler::Purpose::Validation)?;
+        let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
+        let shards =
+            split_train_loader::<LC>(dataloader_train, &ranks, world_size, &self.devices, join)?;
+        let loaders = startup::Startup {
+            epochs: (0, 0),
+            resumed_batches: 0,
+            counters: (0, 0),
+            settings: 0,
+            train_items: dataloader_train.num_items() as u64,
+            train_loader,
+            valid_items: dataloader_valid.num_items() as u64,
+            valid_batch: 0,
+        };
+        Ok(Prepared {
+            local,
+            shards,
+            loaders,
+        })
+    }
+
+    /// The start-up line: replicas, mode, items per rank and the settings (on the console on
+    /// rank 0).
+    fn announce(&self, first_rank: usize, items_per_rank: usize) {
         let mode = match &self.process_group {
             None => "threads".to_string(),
             Some(group) => format!("processes ({})", group.backend()),
         };
         let start = format!(
-            "{world_size} replica(s) as {mode}, {} training items per rank, {}",
-            shards[0].num_items(),
+            "{} replica(s) as {mode}, {items_per_rank} training items per rank, {}",
+            self.world_size(),
             self.config
         );
         if first_rank == 0 {
@@ -535,28 +616,28 @@ where
         } else {
             tracing::info!("burn-ddp: {start}");
         }
+    }
 
-        let (sender, receiver) = mpsc::channel::<Part<LC>>();
-        // What rank 0 reports: one joined item per step when burn-ddp can join the training
-        // output type; validation sharded by whole batches, between processes only when the
-        // validation output type can travel.
-        let probe = Reports::<LC>::new(threads, self.config.metrics_every(), world_size);
-        let valid_codec =
-            crate::outputs::codec::<report::ValidOutput<LC>, report::InnerBackend<LC>>();
-        let shard_validation = world_size > 1
+    /// How validation runs, and on rank 0 the warnings about output types burn-ddp cannot join
+    /// or send.
+    fn validation_mode(
+        &self,
+        dataloader_valid: &ValidLoader<LC>,
+        first_rank: usize,
+    ) -> ValidationMode<LC> {
+        let world_size = self.world_size();
+        let threads = self.process_group.is_none();
+        let codec = crate::outputs::codec::<rank::ValidOutput<LC>, rank::InnerBackend<LC>>();
+        let sharded = world_size > 1
             && self.config.validation() == Validation::Sharded
-            && (threads || valid_codec.is_some());
-        let valid_plan = shard_validation.then(|| ValidationPlan::of(&*dataloader_valid));
-        let loaders = startup::Startup {
-            valid_batch: valid_plan.map_or(0, |p| p.batch_size as u64),
-            ..loaders
-        };
+            && (threads || codec.is_some());
         if world_size > 1 && first_rank == 0 {
+            let probe = Reports::<LC>::new(threads, self.config.metrics_every(), world_size);
             if !probe.joins_training() {
                 crate::log::warn_console(&format!(
                     "the training output type ({}) is not one burn-ddp can join \
                      (burn_ddp::outputs::DistributedOutput): {}",
-                    std::any::type_name::<worker::ModelOutput<LC>>(),
+                    std::any::type_name::<rank::ModelOutput<LC>>(),
                     if threads {
                         "every replica's item is reported on its own (one renderer line per \
                          replica and step)"
@@ -565,27 +646,48 @@ where
                     }
                 ));
             }
-            if self.config.validation() == Validation::Sharded && !shard_validation {
+            if self.config.validation() == Validation::Sharded && !sharded {
                 crate::log::warn_console(&format!(
                     "the validation output type ({}) is not one burn-ddp can send between \
                      processes: rank 0 validates the whole set alone",
-                    std::any::type_name::<report::ValidOutput<LC>>()
+                    std::any::type_name::<rank::ValidOutput<LC>>()
                 ));
             }
         }
+        ValidationMode {
+            plan: sharded.then(|| ValidationPlan::of(&**dataloader_valid)),
+            codec,
+        }
+    }
+
+    /// One trainer per rank of this process: rank 0 takes burn-train's components (the leader),
+    /// the other ranks send it their items (threads) or hand this process's event processor
+    /// back unused (processes).
+    fn trainers(
+        &self,
+        local: Vec<(usize, Arc<dyn ProcessGroup>)>,
+        shards: Vec<TrainLoader<LC>>,
+        components: TrainingComponents<LC>,
+        dataloader_valid: &ValidLoader<LC>,
+        validation: &ValidationMode<LC>,
+        start: Start<LC>,
+    ) -> Vec<Trainer<LC>> {
+        let world_size = self.world_size();
+        let threads = self.process_group.is_none();
+        let (sender, receiver) = mpsc::channel::<Part<LC>>();
         let mut receiver = Some(receiver);
         let mut processor = Some(components.event_processor);
-        let mut validation = Some((
+        let mut leader_parts = Some((
             components.checkpointer,
             components.early_stopping,
             components.event_store,
         ));
-        let workers: Vec<Worker<LC>> = local
+        local
             .into_iter()
             .zip(shards)
             .zip(self.devices.iter().cloned())
             .map(|(((rank, group), dataloader), device)| {
-                let role = match (rank, processor.take(), validation.take()) {
+                let role = match (rank, processor.take(), leader_parts.take()) {
                     (
                         0,
                         Some(event_processor),
@@ -602,8 +704,7 @@ where
                     (_, Some(event_processor), _) => Role::Silent(Box::new(event_processor)),
                     _ => Role::Follower(sender.clone()),
                 };
-                let reports = Reports::new(threads, self.config.metrics_every(), world_size);
-                let valid_shard = valid_plan.map(|plan| {
+                let valid_shard = validation.plan.map(|plan| {
                     let batches = plan.batches_of(rank, world_size);
                     let items = plan.items_of(batches.clone());
                     ValidShard {
@@ -611,34 +712,34 @@ where
                             .slice(items.start, items.end)
                             .to_device(&device),
                         plan,
-                        codec: valid_codec,
+                        codec: validation.codec,
                     }
                 });
-                Worker {
+                Trainer {
                     rank,
                     group,
                     device,
-                    learner: learner.clone(),
+                    learner: start.learner.clone(),
                     dataloader,
                     role,
                     config: self.config.clone(),
-                    interrupter: components.interrupter.clone(),
-                    grad_accumulation: components.grad_accumulation.unwrap_or(1).max(1),
-                    epochs: resume.starting_epoch..=components.num_epochs,
+                    interrupter: start.interrupter.clone(),
+                    grad_accumulation: start.grad_accumulation,
+                    epochs: start.epochs.clone(),
                     report: self.report.clone(),
                     average_buffers: !threads && world_size > 1,
-                    resume: resume.clone(),
-                    reports,
-                    loaders,
-                    run_id: run_id.clone(),
+                    resume: start.resume.clone(),
+                    reports: Reports::new(threads, self.config.metrics_every(), world_size),
+                    loaders: start.loaders,
+                    run_id: start.run_id.clone(),
                     valid_shard,
                 }
             })
-            .collect();
-        drop(sender);
-        drop(learner);
+            .collect()
+    }
 
-        let (ranks, leader_parts, error) = run_all(workers, self.config.timeout());
+    /// Files every rank's report, and on rank 0 prints the summary.
+    fn finish(&self, ranks: Vec<crate::metrics::RankReport>, first_rank: usize) {
         lock(&self.report).ranks = ranks;
         if self.config.summary() && first_rank == 0 {
             // The one-line switch gets the figures too, not only `launch_ddp` with a kept clone.
@@ -646,15 +747,6 @@ where
             if !report.epochs.is_empty() {
                 crate::log::to_stderr(&report.to_string());
             }
-        }
-        match leader_parts {
-            Some((model, processor)) => Ok((model, processor, error)),
-            // Rank 0's thread could not be started or is stuck: burn-train's event processor is
-            // with it, so `fit` has nothing to return and must panic, even under `launch_ddp`.
-            None => Err(error.unwrap_or_else(|| DdpError::WorkerPanicked {
-                rank: 0,
-                message: "rank 0 ended without returning its model".into(),
-            })),
         }
     }
 }

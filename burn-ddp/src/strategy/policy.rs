@@ -2,9 +2,10 @@
 //! ranks' gradients are combined (join mode's weighting), when an optimizer step happens
 //! (gradient accumulation), what a step with uneven data or non-finite gradients means.
 
+use crate::config::{DdpConfig, NonFinite, UnevenInputs};
+use crate::error::{DdpError, Result};
 use crate::group::ReduceOp;
 use crate::reducer::ReduceOptions;
-use crate::{DdpConfig, DdpError, NonFinite, Result, UnevenInputs};
 
 /// What the ranks agreed on before a step (the per-step all-gather).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -15,45 +15,21 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::time::Instant;
 
 use burn::data::dataloader::Progress;
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::{
-    EventProcessorTraining, InferenceStep, LearnerEvent, LearningComponentsTypes, TrainingBackend,
-    TrainingItem,
+    EventProcessorTraining, LearnerEvent, LearningComponentsTypes, TrainingBackend, TrainingItem,
 };
 
+use super::rank::{Comm, Leader, ModelOutput, Part, Role, ValidOutput};
 use super::wire::{bad_words, decode_entry, encode_entry, gather_words};
-use super::worker::{Leader, ModelOutput, Role, Worker};
+use crate::error::{DdpError, Result};
 use crate::outputs::{Codec, codec};
-use crate::{DdpError, Result};
-
-/// The backend of validation (the training backend without autodiff).
-pub(super) type InnerBackend<LC> = <TrainingBackend<LC> as AutodiffBackend>::InnerBackend;
-/// The output of a validation step.
-pub(super) type ValidOutput<LC> =
-    <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Output;
-
-/// A rank's output of one step, sent to rank 0 by a rank that is a thread of the same process.
-pub(super) enum Part<LC: LearningComponentsTypes> {
-    /// Training step `step` of the epoch; `None`: the rank had no batch (join mode).
-    Train {
-        rank: usize,
-        step: usize,
-        output: Option<ModelOutput<LC>>,
-    },
-    /// Step `step` of `rank`'s validation batches.
-    Valid {
-        rank: usize,
-        step: usize,
-        output: ValidOutput<LC>,
-    },
-    /// The rank validated its whole shard: `steps` batches.
-    ValidDone { rank: usize, steps: usize },
-}
 
 /// What rank 0 knows of a training step besides the outputs: its own progress and learning rate.
-struct Meta {
-    progress: Progress,
-    lr: Option<f64>,
+pub(super) struct Meta {
+    /// This rank's progress in the epoch, over all ranks' samples.
+    pub progress: Progress,
+    /// The learning rate of the step.
+    pub lr: Option<f64>,
 }
 
 /// Per step, per rank: `None` while the rank's part has not arrived, then its output (`None`: no
@@ -109,14 +85,14 @@ where
     }
 }
 
-impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC>
+impl<LC: LearningComponentsTypes> Reports<LC>
 where
     ModelOutput<LC>: 'static,
     ValidOutput<LC>: 'static,
 {
     /// A new epoch's reporting, from step `first` (the batches a resumed run skips).
-    pub(super) fn start_reports(&mut self, first: usize) {
-        let reports = &mut self.reports;
+    pub(super) fn start(&mut self, first: usize) {
+        let reports = self;
         reports.stash.clear();
         reports.train.clear();
         reports.meta.clear();
@@ -125,23 +101,25 @@ where
     }
 
     /// Reports this rank's output of training step `step` (0-based within the epoch; `None`: no
-    /// batch), with its `progress` (over all ranks) and learning rate.
+    /// batch), with its progress (over all ranks) and learning rate.
     ///
     /// # Errors
     /// Process mode, every `metrics_every` steps: the all-gathers' errors.
-    pub(super) fn report_train(
+    pub(super) fn train(
         &mut self,
+        role: &mut Role<LC>,
+        comm: &Comm<'_, LC>,
         step: usize,
         output: Option<ModelOutput<LC>>,
-        progress: Progress,
+        meta: Meta,
         progress_global: &Progress,
     ) -> Result<()> {
-        self.reports.steps = step + 1;
-        let lr = Some(self.learner.lr_current());
-        let world_size = self.group.world_size();
-        let rank = self.rank;
-        let joined = self.reports.train_codec.is_some();
-        match &mut self.role {
+        self.steps = step + 1;
+        let Meta { progress, lr } = meta;
+        let world_size = comm.group.world_size();
+        let rank = comm.rank;
+        let joined = self.train_codec.is_some();
+        match role {
             Role::Follower(sender) => {
                 // Rank 0 only stops listening when training ends; a failed send means it is
                 // gone, which the next collective reports.
@@ -150,7 +128,7 @@ where
             }
             Role::Leader(leader) if !joined => {
                 // No codec: every replica's item on its own (threads), or rank 0's (processes).
-                self.reports.last_progress = Some(progress.clone());
+                self.last_progress = Some(progress.clone());
                 if let Some(output) = output {
                     let item = TrainingItem::new(
                         output,
@@ -163,29 +141,28 @@ where
                         .event_processor
                         .process_train(LearnerEvent::ProcessedItem(item));
                 }
-                drain_unjoined(leader, &mut self.reports, progress_global);
+                drain_unjoined(leader, self, progress_global);
                 return Ok(());
             }
             Role::Silent(_) if !joined => return Ok(()),
             Role::Leader(_) => {
-                self.reports.meta.insert(step, Meta { progress, lr });
+                self.meta.insert(step, Meta { progress, lr });
             }
             Role::Silent(_) => {}
         }
         let slots = self
-            .reports
             .train
             .entry(step)
             .or_insert_with(|| (0..world_size).map(|_| None).collect());
         slots[rank] = Some(output);
-        if self.reports.threads {
-            if let Role::Leader(leader) = &mut self.role {
-                drain_parts(leader, &mut self.reports, None)?;
-                emit_ready(leader, &mut self.reports, progress_global, &self.device);
+        if self.threads {
+            if let Role::Leader(leader) = role {
+                drain_parts(leader, self, None)?;
+                emit_ready(leader, self, progress_global, comm.device);
             }
             Ok(())
-        } else if (step + 1).is_multiple_of(self.reports.metrics_every) {
-            self.gather_train(progress_global)
+        } else if (step + 1).is_multiple_of(self.metrics_every) {
+            self.gather(role, comm, progress_global)
         } else {
             Ok(())
         }
@@ -197,44 +174,53 @@ where
     /// # Errors
     /// Process mode: the all-gathers' errors; thread mode: a rank whose part does not arrive
     /// within the timeout ([`DdpError::Unresponsive`]).
-    pub(super) fn finish_train_reports(&mut self, progress_global: &Progress) -> Result<()> {
-        if self.reports.train_codec.is_none() {
-            if let Role::Leader(leader) = &mut self.role {
-                drain_unjoined(leader, &mut self.reports, progress_global);
+    pub(super) fn finish(
+        &mut self,
+        role: &mut Role<LC>,
+        comm: &Comm<'_, LC>,
+        progress_global: &Progress,
+    ) -> Result<()> {
+        if self.train_codec.is_none() {
+            if let Role::Leader(leader) = role {
+                drain_unjoined(leader, self, progress_global);
             }
             return Ok(());
         }
-        if !self.reports.threads {
-            return self.gather_train(progress_global);
+        if !self.threads {
+            return self.gather(role, comm, progress_global);
         }
-        let timeout = self.config.timeout();
-        let steps = self.reports.steps;
-        let Role::Leader(leader) = &mut self.role else {
+        let steps = self.steps;
+        let Role::Leader(leader) = role else {
             return Ok(());
         };
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + comm.timeout;
         loop {
-            emit_ready(leader, &mut self.reports, progress_global, &self.device);
-            if self.reports.next >= steps {
+            emit_ready(leader, self, progress_global, comm.device);
+            if self.next >= steps {
                 return Ok(());
             }
-            drain_parts(leader, &mut self.reports, Some(deadline))?;
+            drain_parts(leader, self, Some(deadline))?;
         }
     }
 
     /// Process mode: sends this rank's pending training outputs to rank 0 (every rank calls it
     /// at the same steps), which reports the steps now complete.
-    fn gather_train(&mut self, progress_global: &Progress) -> Result<()> {
-        let Some(codec) = self.reports.train_codec else {
+    fn gather(
+        &mut self,
+        role: &mut Role<LC>,
+        comm: &Comm<'_, LC>,
+        progress_global: &Progress,
+    ) -> Result<()> {
+        let Some(codec) = self.train_codec else {
             return Ok(());
         };
-        let rank = self.rank;
-        let leader = matches!(self.role, Role::Leader(_));
+        let rank = comm.rank;
+        let leader = matches!(role, Role::Leader(_));
         // Rank 0 keeps its own outputs; the others send theirs.
         let mine: Vec<(usize, Option<ModelOutput<LC>>)> = if leader {
             Vec::new()
         } else {
-            std::mem::take(&mut self.reports.train)
+            std::mem::take(&mut self.train)
                 .into_iter()
                 .map(|(step, mut slots)| (step, slots[rank].take().flatten()))
                 .collect()
@@ -243,32 +229,31 @@ where
         for (step, output) in &mine {
             encode_entry(&mut words, *step, output.as_ref(), codec.encode);
         }
-        let all = gather_words(self.group.as_ref(), words, self.config.timeout())?;
-        let Role::Leader(leader) = &mut self.role else {
+        let all = gather_words(comm.group.as_ref(), words, comm.timeout)?;
+        let Role::Leader(leader) = role else {
             return Ok(());
         };
         for (from, words) in all.iter().enumerate().filter(|(r, _)| *r != rank) {
             let mut rest = words.as_slice();
             while !rest.is_empty() {
-                let (step, output) = decode_entry(&mut rest, codec.decode, &self.device)
+                let (step, output) = decode_entry(&mut rest, codec.decode, comm.device)
                     .map_err(|detail| bad_words(rank, from, detail))?;
                 let world_size = all.len();
                 let slots = self
-                    .reports
                     .train
                     .entry(step)
                     .or_insert_with(|| (0..world_size).map(|_| None).collect());
                 slots[from] = Some(output);
             }
         }
-        emit_ready(leader, &mut self.reports, progress_global, &self.device);
+        emit_ready(leader, self, progress_global, comm.device);
         Ok(())
     }
 }
 
 /// No codec (thread mode): the other ranks' items, each on its own, as they arrived, with rank
 /// 0's latest progress; validation parts of ranks already done training are kept for
-/// [`Worker::validate_epoch`].
+/// validation (`validation.rs`).
 fn drain_unjoined<LC: LearningComponentsTypes>(
     leader: &mut Leader<LC>,
     reports: &mut Reports<LC>,

@@ -30,7 +30,8 @@ use burn::train::{
 };
 
 use crate::checkpoint::{AtomicRecorder, DdpState, StepState, epoch_checkpoints};
-use crate::{DdpConfig, DdpError, Result};
+use crate::config::DdpConfig;
+use crate::error::{DdpError, Result};
 
 /// Where a run starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +93,10 @@ pub(super) struct Resuming<'a> {
     /// The launcher restarted the job (it resumes by itself, and starts afresh with a warning
     /// when there is nothing of the run's to resume).
     pub restarted: bool,
+    /// The first rank of this process (rank 0 tells the console).
+    pub rank: usize,
+    /// The job's ranks.
+    pub world_size: usize,
 }
 
 /// A checkpoint found, with the run that wrote it (`None`: no burn-ddp state says).
@@ -201,18 +206,15 @@ fn pointed_at(path: &Path, checkpoint_dir: Option<&Path>) -> Result<(PathBuf, Ve
 /// directory), when a pointed-at checkpoint cannot be found or loaded, and when the newest usable
 /// checkpoint is a step checkpoint of a job with another world size (the batches of a partly
 /// trained epoch do not carry over).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn prepare<LC: LearningComponentsTypes>(
     config: &DdpConfig,
     learner: &Learner<LC>,
     epochs: Option<&LearningCheckpointer<LC>>,
     starting_epoch: usize,
     device: &Device<TrainingBackend<LC>>,
-    rank: usize,
-    world_size: usize,
     resuming: &Resuming<'_>,
 ) -> Result<(Option<Learner<LC>>, Resume)> {
-    let mut resume = Resume {
+    let from_start = Resume {
         starting_epoch,
         batches: 0,
         optimizer_steps: 0,
@@ -220,58 +222,173 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
     };
     let asked = config.resume() || config.resume_from().is_some();
     if !asked && !resuming.restarted {
-        return Ok((None, resume));
+        return Ok((None, from_start));
     }
-    let checkpoint_dir = config.checkpoint_dir();
-    // What may be taken, and from where.
-    let (dir, found, own_only) = match config.resume_from() {
-        Some(path) => {
-            let (dir, found) = pointed_at(path, checkpoint_dir)?;
-            (dir, found, false)
-        }
-        None => {
-            let Some(dir) = checkpoint_dir else {
-                if asked {
-                    return Err(DdpError::InvalidConfig(
-                        "DdpConfig::with_resume needs DdpConfig::with_checkpoint_dir (burn-train's \
-                         checkpoint directory) or with_resume_from"
-                            .into(),
-                    ));
-                }
-                return Ok((None, resume));
-            };
-            let (found, unreadable) = candidates_in(dir, epochs.is_some());
-            for why in unreadable {
-                tracing::warn!("burn-ddp: rank {rank}: not resuming from {why}");
-            }
-            (dir.to_path_buf(), found, true)
-        }
+    let Some((dir, found, own_only)) = candidates(config, epochs.is_some(), asked, resuming)?
+    else {
+        return Ok((None, from_start));
     };
     let (mine, theirs): (Vec<Found>, Vec<Found>) = found
         .into_iter()
         .partition(|f| !own_only || f.owner.as_deref() == Some(resuming.run_id));
-    let mut skipped: Vec<String> = Vec::new();
-    let mut loaded_learner = None;
-    for Found { candidate, owner } in mine
-        .into_iter()
-        .filter(|f| f.candidate.progress() > (starting_epoch.saturating_sub(1), 0))
-    {
-        let loaded = match &candidate {
-            Candidate::Epoch(epoch) => epochs
-                .ok_or_else(|| "no file checkpointer".to_string())
-                .and_then(|c| quietly(|| c.load_checkpoint(learner.clone(), device, *epoch))),
-            Candidate::Step(state) => {
-                StepCheckpoints::<LC>::new(&dir).load(learner.clone(), device, state.number)
+    let loading = Loading {
+        learner,
+        epochs,
+        device,
+        dir: &dir,
+        resuming,
+    };
+    let (loaded, skipped) = loading.newest(mine, starting_epoch)?;
+    for skip in &skipped {
+        tracing::warn!("burn-ddp: rank {}: not resuming from {skip}", resuming.rank);
+    }
+    let (learner, mut resume) = match loaded {
+        Some((learner, resume)) => (Some(learner), resume),
+        None => {
+            nothing_to_resume(&dir, &theirs, &skipped, resuming, asked)?;
+            (None, from_start)
+        }
+    };
+    if resume.batches == 0 && resume.starting_epoch > 1 {
+        counters_after_epoch(&dir, &mut resume, resuming);
+    }
+    Ok((learner, resume))
+}
+
+/// Where to look and what may be taken: the checkpoint directory's candidates (this run's only),
+/// or the one [`DdpConfig::with_resume_from`] points at (whoever wrote it). `None`: nowhere to
+/// look after a launcher's restart without a checkpoint directory.
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] for a resume asked for without a checkpoint directory; a
+/// pointed-at path that is not a checkpoint.
+fn candidates(
+    config: &DdpConfig,
+    with_epochs: bool,
+    asked: bool,
+    resuming: &Resuming<'_>,
+) -> Result<Option<(PathBuf, Vec<Found>, bool)>> {
+    let checkpoint_dir = config.checkpoint_dir();
+    if let Some(path) = config.resume_from() {
+        let (dir, found) = pointed_at(path, checkpoint_dir)?;
+        return Ok(Some((dir, found, false)));
+    }
+    let Some(dir) = checkpoint_dir else {
+        if asked {
+            return Err(DdpError::InvalidConfig(
+                "DdpConfig::with_resume needs DdpConfig::with_checkpoint_dir (burn-train's \
+                 checkpoint directory) or with_resume_from"
+                    .into(),
+            ));
+        }
+        return Ok(None);
+    };
+    let (found, unreadable) = candidates_in(dir, with_epochs);
+    for why in unreadable {
+        tracing::warn!("burn-ddp: rank {}: not resuming from {why}", resuming.rank);
+    }
+    Ok(Some((dir.to_path_buf(), found, true)))
+}
+
+/// Loading a candidate checkpoint into a copy of the learner.
+struct Loading<'a, LC: LearningComponentsTypes> {
+    learner: &'a Learner<LC>,
+    epochs: Option<&'a LearningCheckpointer<LC>>,
+    device: &'a Device<TrainingBackend<LC>>,
+    dir: &'a Path,
+    resuming: &'a Resuming<'a>,
+}
+
+/// A learner loaded from a checkpoint, and where its run continues.
+type Loaded<LC> = (Learner<LC>, Resume);
+
+impl<LC: LearningComponentsTypes> Loading<'_, LC> {
+    /// The newest of `candidates` past `starting_epoch` that loads, and where the run then
+    /// starts; with the reasons the newer ones were passed over.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] when the newest usable checkpoint is a step checkpoint of a job
+    /// with another world size.
+    fn newest(
+        &self,
+        candidates: Vec<Found>,
+        starting_epoch: usize,
+    ) -> Result<(Option<Loaded<LC>>, Vec<String>)> {
+        let mut skipped = Vec::new();
+        for Found { candidate, owner } in candidates
+            .into_iter()
+            .filter(|f| f.candidate.progress() > (starting_epoch.saturating_sub(1), 0))
+        {
+            match self.load(&candidate)? {
+                Ok(loaded) => {
+                    if self.resuming.rank == 0 {
+                        crate::log::info_console(&format!(
+                            "resuming from {} of run {}",
+                            candidate.describe(self.dir),
+                            owner.as_deref().unwrap_or("unknown")
+                        ));
+                    }
+                    let resume = match &candidate {
+                        Candidate::Epoch(epoch) => Resume {
+                            starting_epoch: epoch + 1,
+                            batches: 0,
+                            optimizer_steps: 0,
+                            synchronisations: 0,
+                        },
+                        Candidate::Step(state) => Resume {
+                            starting_epoch: state.epoch,
+                            batches: state.batches,
+                            optimizer_steps: state.optimizer_steps,
+                            synchronisations: state.number,
+                        },
+                    };
+                    return Ok((Some((loaded, resume)), skipped));
+                }
+                Err(why) => skipped.push(format!(
+                    "{}: it cannot be loaded ({})",
+                    candidate.describe(self.dir),
+                    // Burn's messages run on with advice about old formats.
+                    why.lines()
+                        .next()
+                        .unwrap_or_default()
+                        .split("\\n")
+                        .next()
+                        .unwrap_or_default()
+                )),
             }
+        }
+        Ok((None, skipped))
+    }
+
+    /// `candidate` loaded into a copy of the learner (`Err(why)`: it does not load).
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] for a step checkpoint that loads but was taken mid-epoch by a job
+    /// of another world size (only a checkpoint that would be used is refused: a truncated one is
+    /// passed over like any other, and one at an epoch's first batch re-shards).
+    fn load(&self, candidate: &Candidate) -> Result<std::result::Result<Learner<LC>, String>> {
+        let world_size = self.resuming.world_size;
+        let loaded = match candidate {
+            Candidate::Epoch(epoch) => self
+                .epochs
+                .ok_or_else(|| "no file checkpointer".to_string())
+                .and_then(|c| {
+                    quietly(|| c.load_checkpoint(self.learner.clone(), self.device, *epoch))
+                }),
+            Candidate::Step(state) => StepCheckpoints::<LC>::new(self.dir).load(
+                self.learner.clone(),
+                self.device,
+                state.number,
+            ),
         };
-        if let (Ok(_), Candidate::Step(state)) = (&loaded, &candidate)
+        if let (Ok(_), Candidate::Step(state)) = (&loaded, candidate)
             && state.world_size != world_size
             && state.batches > 0
         {
-            // Only a checkpoint that would be used is refused: a truncated one is passed over
-            // like any other, and one at an epoch's first batch re-shards.
             return Err(DdpError::Checkpoint {
-                path: StepState::path(&dir, state.number).display().to_string(),
+                path: StepState::path(self.dir, state.number)
+                    .display()
+                    .to_string(),
                 detail: format!(
                     "the newest checkpoint was taken at batch {} of epoch {} by a job of world \
                      size {}, this job has {world_size}: the batches of a partly trained epoch \
@@ -281,72 +398,34 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
                 ),
             });
         }
-        match loaded {
-            Ok(loaded) => {
-                loaded_learner = Some(loaded);
-                resume = match &candidate {
-                    Candidate::Epoch(epoch) => Resume {
-                        starting_epoch: epoch + 1,
-                        ..resume
-                    },
-                    Candidate::Step(state) => Resume {
-                        starting_epoch: state.epoch,
-                        batches: state.batches,
-                        optimizer_steps: state.optimizer_steps,
-                        synchronisations: state.number,
-                    },
-                };
-                if rank == 0 {
-                    crate::log::info_console(&format!(
-                        "resuming from {} of run {}",
-                        candidate.describe(&dir),
-                        owner.as_deref().unwrap_or("unknown")
-                    ));
-                }
-                break;
+        Ok(loaded)
+    }
+}
+
+/// After an epoch's checkpoint, the run's counters from burn-ddp's state file of that epoch. An
+/// epoch boundary: the model and optimizer carry over to any world size, and
+/// `DistributedSampler` gives the same global order of samples (re-sharding, which rank 0 tells
+/// the console).
+fn counters_after_epoch(dir: &Path, resume: &mut Resume, resuming: &Resuming<'_>) {
+    let (rank, world_size) = (resuming.rank, resuming.world_size);
+    let finished = resume.starting_epoch - 1;
+    match DdpState::read(dir, finished) {
+        Ok(Some(state)) => {
+            resume.optimizer_steps = state.optimizer_steps;
+            resume.synchronisations = resume.synchronisations.max(state.synchronisations);
+            if state.world_size != world_size && rank == 0 {
+                crate::log::warn_console(&format!(
+                    "resuming after epoch {finished}, written by a job of world size {}, with \
+                     world size {world_size}: the data is re-sharded (with DistributedSampler \
+                     every step still sees the same samples if the global batch is the same, \
+                     i.e. the per-rank batch times the world size)",
+                    state.world_size
+                ));
             }
-            Err(why) => skipped.push(format!(
-                "{}: it cannot be loaded ({})",
-                candidate.describe(&dir),
-                // Burn's messages run on with advice about old formats.
-                why.lines()
-                    .next()
-                    .unwrap_or_default()
-                    .split("\\n")
-                    .next()
-                    .unwrap_or_default()
-            )),
         }
+        Ok(None) => {}
+        Err(e) => tracing::warn!("burn-ddp: rank {rank}: {e}"),
     }
-    for skip in &skipped {
-        tracing::warn!("burn-ddp: rank {rank}: not resuming from {skip}");
-    }
-    if loaded_learner.is_none() {
-        nothing_to_resume(&dir, &theirs, &skipped, resuming, asked, rank)?;
-    }
-    if resume.batches == 0 && resume.starting_epoch > 1 {
-        // An epoch boundary: the model and optimizer carry over to any world size, and
-        // `DistributedSampler` gives the same global order of samples (re-sharding).
-        let finished = resume.starting_epoch - 1;
-        match DdpState::read(&dir, finished) {
-            Ok(Some(state)) => {
-                resume.optimizer_steps = state.optimizer_steps;
-                resume.synchronisations = resume.synchronisations.max(state.synchronisations);
-                if state.world_size != world_size && rank == 0 {
-                    crate::log::warn_console(&format!(
-                        "resuming after epoch {finished}, written by a job of world size {}, \
-                         with world size {world_size}: the data is re-sharded (with \
-                         DistributedSampler every step still sees the same samples if the global \
-                         batch is the same, i.e. the per-rank batch times the world size)",
-                        state.world_size
-                    ));
-                }
-            }
-            Ok(None) => {}
-            Err(e) => tracing::warn!("burn-ddp: rank {rank}: {e}"),
-        }
-    }
-    Ok((loaded_learner, resume))
 }
 
 /// Nothing of this run's could be resumed: an error when resuming was asked for, naming
@@ -358,8 +437,8 @@ fn nothing_to_resume(
     skipped: &[String],
     resuming: &Resuming<'_>,
     asked: bool,
-    rank: usize,
 ) -> Result<()> {
+    let rank = resuming.rank;
     let newest_other = theirs.first();
     let detail = match newest_other {
         Some(other) => format!(
@@ -536,5 +615,5 @@ pub(super) fn quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String
     let was = QUIET.with(|q| q.replace(true));
     let result = std::panic::catch_unwind(AssertUnwindSafe(f));
     QUIET.with(|q| q.set(was));
-    result.map_err(|payload| super::worker::panic_message(payload.as_ref()))
+    result.map_err(|payload| crate::error::panic_message(payload.as_ref()))
 }

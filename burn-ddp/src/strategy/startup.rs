@@ -6,8 +6,8 @@
 //! be seen once training runs, the learning rate and the optimizer, is compared at every step:
 //! `lockstep.rs`.)
 
+use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
-use crate::{DdpError, Result};
 
 /// One rank's view of the run, compared across the ranks at start-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -18,19 +18,18 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::time::Instant;
 
 use burn::data::dataloader::{DataLoader, Progress};
-use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use burn::train::{
-    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
-    LearningComponentsTypes, TrainingItem, ValidLoader,
+    EventProcessorTraining, InferenceStep, Interrupter, LearnerEvent, LearningComponentsTypes,
+    TrainingItem, ValidLoader,
 };
 
-use super::report::{InnerBackend, Part, ValidOutput, insert_train};
+use super::rank::{Comm, InnerBackend, Leader, ModelOutput, Part, Role, ValidOutput};
+use super::report::{Reports, insert_train};
 use super::wire::{bad_words, decode_entry, encode_entry, gather_words};
-use super::worker::{Leader, ModelOutput, Role, Worker};
+use crate::error::{DdpError, Result};
 use crate::outputs::Codec;
 use crate::partition::chunk_range;
-use crate::{DdpError, Result};
 
 /// How long rank 0 waits for the thread ranks' validation outputs before it looks at the group
 /// again (an abort by a rank that failed).
@@ -202,35 +201,49 @@ impl<LC: LearningComponentsTypes> InOrder<LC> {
     }
 }
 
-impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC>
+/// What an epoch's validation borrows from its rank.
+pub(super) struct Validating<'a, LC: LearningComponentsTypes> {
+    pub comm: Comm<'a, LC>,
+    pub role: &'a mut Role<LC>,
+    pub reports: &'a mut Reports<LC>,
+    pub interrupter: &'a Interrupter,
+    pub progress_global: &'a Progress,
+}
+
+impl<LC: LearningComponentsTypes> Validating<'_, LC>
 where
     ModelOutput<LC>: 'static,
     ValidOutput<LC>: 'static,
 {
-    /// Validation at the end of an epoch (see the [module docs](self)), ending with burn-train's
+    /// Validation at the end of an epoch (see the [module docs](self)) of `model` over this
+    /// rank's `shard` (`None`: rank 0 validates the whole set alone), ending with burn-train's
     /// `EndEpoch` validation event on rank 0.
     ///
     /// # Errors
     /// The collectives' errors (process mode); a thread rank whose batches do not arrive within
     /// the timeout ([`DdpError::Unresponsive`]), or that failed (the group is aborted).
-    pub(super) fn validate_epoch(&mut self, progress_global: &Progress) -> Result<()> {
+    pub(super) fn run(
+        mut self,
+        shard: Option<&ValidShard<LC>>,
+        model: LC::InferenceModel,
+    ) -> Result<()> {
+        let progress_global = self.progress_global;
         let epoch = progress_global.items_processed;
-        let Some(shard) = self.valid_shard.clone() else {
-            if let Role::Leader(leader) = &mut self.role {
-                validate_alone::<LC>(&self.learner, leader, progress_global, &self.interrupter);
+        let Some(shard) = shard else {
+            if let Role::Leader(leader) = self.role {
+                validate_alone::<LC>(model, leader, progress_global, self.interrupter);
             }
             return Ok(());
         };
-        let model = self.learner.model().valid();
-        let rank = self.rank;
-        let mut in_order = InOrder::<LC>::new(self.group.world_size());
+        let rank = self.comm.rank;
+        let mut in_order = InOrder::<LC>::new(self.comm.group.world_size());
         // Process mode: this rank's outputs, sent to rank 0 at the end.
         let mut kept: Vec<(usize, ValidOutput<LC>)> = Vec::new();
         let mut steps = 0;
         for (step, item) in shard.loader.iter().enumerate() {
             let output = InferenceStep::step(&model, item);
             steps = step + 1;
-            match &mut self.role {
+            match &mut *self.role {
                 Role::Follower(sender) => {
                     let _ = sender.send(Part::Valid { rank, step, output });
                 }
@@ -250,11 +263,11 @@ where
             }
         }
         if self.reports.threads {
-            self.collect_threads(&shard, &mut in_order, steps, progress_global)?;
+            self.collect_threads(shard, &mut in_order, steps)?;
         } else {
-            self.collect_processes(&shard, &mut in_order, kept, progress_global)?;
+            self.collect_processes(shard, &mut in_order, kept)?;
         }
-        if let Role::Leader(leader) = &mut self.role {
+        if let Role::Leader(leader) = self.role {
             in_order.finish(&mut Reporting {
                 leader,
                 plan: shard.plan,
@@ -273,13 +286,13 @@ where
         shard: &ValidShard<LC>,
         in_order: &mut InOrder<LC>,
         steps: usize,
-        progress_global: &Progress,
     ) -> Result<()> {
-        let world_size = self.group.world_size();
-        let rank = self.rank;
-        let timeout = self.config.timeout();
-        let Role::Leader(leader) = &mut self.role else {
-            if let Role::Follower(sender) = &self.role {
+        let progress_global = self.progress_global;
+        let world_size = self.comm.group.world_size();
+        let rank = self.comm.rank;
+        let timeout = self.comm.timeout;
+        let Role::Leader(leader) = &mut *self.role else {
+            if let Role::Follower(sender) = &*self.role {
                 let _ = sender.send(Part::ValidDone { rank, steps });
             }
             return Ok(());
@@ -294,7 +307,7 @@ where
         let mut done = std::collections::BTreeSet::from([rank]);
         while done.len() < world_size {
             // A rank that failed while validating aborted the group: stop waiting for it.
-            if let Some(cause) = self.group.aborted() {
+            if let Some(cause) = self.comm.group.aborted() {
                 return Err(DdpError::Aborted {
                     rank,
                     op: crate::group::Collective::Barrier,
@@ -323,7 +336,7 @@ where
                     done.insert(rank);
                 }
                 Ok(Part::Train { rank, step, output }) => {
-                    insert_train(&mut self.reports, world_size, rank, step, output)
+                    insert_train(self.reports, world_size, rank, step, output)
                 }
                 Err(waited) => {
                     return Err(DdpError::Unresponsive {
@@ -342,8 +355,8 @@ where
         shard: &ValidShard<LC>,
         in_order: &mut InOrder<LC>,
         kept: Vec<(usize, ValidOutput<LC>)>,
-        progress_global: &Progress,
     ) -> Result<()> {
+        let progress_global = self.progress_global;
         let Some(codec) = shard.codec else {
             // The strategy shards validation between processes only with a codec.
             return Err(DdpError::InvalidConfig(
@@ -351,16 +364,16 @@ where
                     .into(),
             ));
         };
-        let rank = self.rank;
+        let rank = self.comm.rank;
         let mut words = Vec::new();
         for (step, output) in &kept {
             encode_entry(&mut words, *step, Some(output), codec.encode);
         }
-        let all = gather_words(self.group.as_ref(), words, self.config.timeout())?;
-        let Role::Leader(leader) = &mut self.role else {
+        let all = gather_words(self.comm.group.as_ref(), words, self.comm.timeout)?;
+        let Role::Leader(leader) = &mut *self.role else {
             return Ok(());
         };
-        let device = self.device.clone();
+        let device = self.comm.device.clone();
         let mut to = Reporting {
             leader,
             plan: shard.plan,
@@ -390,13 +403,12 @@ where
 
 /// Rank 0's validation pass over the whole validation set, as burn-train's single-device loop.
 fn validate_alone<LC: LearningComponentsTypes>(
-    learner: &Learner<LC>,
+    model: LC::InferenceModel,
     leader: &mut Leader<LC>,
     progress_global: &Progress,
     interrupter: &Interrupter,
 ) {
     let epoch = progress_global.items_processed;
-    let model = learner.model().valid();
     let mut iterator = leader.dataloader_valid.iter();
     let mut iteration = 0;
     while let Some(item) = iterator.next() {

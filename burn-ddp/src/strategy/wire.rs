@@ -2,7 +2,7 @@
 //! (`[step, present, length]`), and every rank's words gathered in two all-gathers (the lengths,
 //! then the words padded to the longest).
 
-use crate::{DdpError, Result};
+use crate::error::{DdpError, Result};
 
 /// One entry of the words a rank sends: `[step, present, length, words of the output...]`.
 pub(super) fn encode_entry<T>(

@@ -3,99 +3,25 @@
 //! collects their results, naming the root cause when several fail.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::mpsc;
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use burn::train::metric::store::EventStoreClient;
 use burn::train::{
-    CloneEarlyStoppingStrategy, Interrupter, Learner, LearningCheckpointer,
-    LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
-    TrainingBackend, TrainingModel, ValidLoader,
+    LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader, TrainingBackend,
+    TrainingModel,
 };
 
-use super::report::{Part, Reports, ValidOutput};
-use super::resume::{Resume, StepCheckpoints};
+use super::epoch::Trainer;
+use super::rank::{ModelOutput, Role, ValidOutput};
 use super::startup::Startup;
-use super::validation::ValidShard;
 use crate::ddp::DistributedDataParallel;
-use crate::group::ProcessGroup;
+use crate::error::{DdpError, Result};
 use crate::group::counting::CountingGroup;
-use crate::metrics::{RankReport, TrainingReport};
-use crate::{DdpConfig, DdpError, Result};
-use std::sync::atomic::AtomicU64;
-
-pub(super) type ModelOutput<LC> = <TrainingModel<LC> as TrainStep>::Output;
-
-/// What rank 0 holds besides its replica: burn-train's components and the other ranks' items.
-pub(super) struct Leader<LC: LearningComponentsTypes> {
-    pub event_processor: SupervisedTrainingEventProcessor<LC>,
-    pub dataloader_valid: ValidLoader<LC>,
-    pub checkpointer: Option<LearningCheckpointer<LC>>,
-    /// burn-ddp's step checkpoints (with a checkpoint directory).
-    pub step_checkpoints: Option<StepCheckpoints<LC>>,
-    pub early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
-    pub event_store: Arc<EventStoreClient>,
-    /// The outputs of the ranks that are threads of this process.
-    pub items: Receiver<Part<LC>>,
-}
-
-impl<LC: LearningComponentsTypes> Leader<LC> {
-    /// Returns once burn-train's event processor has handled every event sent to it so far (so
-    /// the event store holds the epoch's metrics that early stopping and the checkpointing
-    /// strategy ask for). The processor runs on its own thread behind a channel of capacity one,
-    /// and handles a validation `Start` as a no-op: once the second of two `Start`s is accepted,
-    /// the first was taken, so every event before it was handled. Bounded as any event burn-train
-    /// sends itself: by the time the renderer and metric loggers take for the events before.
-    pub fn wait_for_events(&mut self) {
-        use burn::train::{EventProcessorTraining, LearnerEvent};
-        self.event_processor.process_valid(LearnerEvent::Start);
-        self.event_processor.process_valid(LearnerEvent::Start);
-    }
-}
-
-/// Where a rank's training items go.
-pub(super) enum Role<LC: LearningComponentsTypes> {
-    /// Global rank 0.
-    Leader(Box<Leader<LC>>),
-    /// Another rank in the same process: its items go to rank 0.
-    Follower(Sender<Part<LC>>),
-    /// Another rank in its own process: emits nothing, but hands this process's event processor
-    /// back to burn-train.
-    Silent(Box<SupervisedTrainingEventProcessor<LC>>),
-}
-
-/// Everything one rank needs, moved into its thread.
-pub(super) struct Worker<LC: LearningComponentsTypes> {
-    pub rank: usize,
-    pub group: Arc<dyn ProcessGroup>,
-    pub device: Device<TrainingBackend<LC>>,
-    pub learner: Learner<LC>,
-    pub dataloader: TrainLoader<LC>,
-    pub role: Role<LC>,
-    pub config: DdpConfig,
-    pub interrupter: Interrupter,
-    pub grad_accumulation: usize,
-    pub epochs: std::ops::RangeInclusive<usize>,
-    pub report: Arc<Mutex<TrainingReport>>,
-    /// Average buffers (BatchNorm statistics) across ranks after every step: replicas in other
-    /// processes do not share Burn's `RunningState`.
-    pub average_buffers: bool,
-    /// Where the run starts: batches of the first epoch to skip, counters so far.
-    pub resume: Resume,
-    /// What rank 0 reports to burn-train of training.
-    pub reports: Reports<LC>,
-    /// This process's loaders as the ranks compare them at start-up (the other fields are
-    /// filled in by the rank).
-    pub loaders: Startup,
-    /// The run its checkpoints belong to.
-    pub run_id: String,
-    /// This rank's whole batches of the validation loader (sharded validation); `None`: rank 0
-    /// validates alone.
-    pub valid_shard: Option<ValidShard<LC>>,
-}
+use crate::metrics::RankReport;
 
 /// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
 pub(super) struct Finished<LC: LearningComponentsTypes> {
@@ -104,97 +30,113 @@ pub(super) struct Finished<LC: LearningComponentsTypes> {
     pub leader: Option<(TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>)>,
 }
 
-impl<LC: LearningComponentsTypes + Send + 'static> Worker<LC>
+/// Trains this rank to the end (or its failure), catching panics.
+pub(super) fn run<LC: LearningComponentsTypes + Send + 'static>(
+    mut trainer: Trainer<LC>,
+) -> Finished<LC>
 where
     ModelOutput<LC>: 'static,
     ValidOutput<LC>: 'static,
 {
-    /// Trains this rank to the end (or its failure), catching panics.
-    pub fn run(mut self) -> Finished<LC> {
-        // `burn_ddp::rank()` in user code on this thread (a train step, a metric) answers this rank.
-        let _rank = crate::context::enter_rank(self.rank, self.group.world_size());
-        let mut report = RankReport {
-            rank: self.rank,
-            ..RankReport::default()
-        };
-        let mut model_out = None;
-        let result =
-            std::panic::catch_unwind(AssertUnwindSafe(|| self.train(&mut report, &mut model_out)));
-        let result = match result {
-            Ok(result) => result,
-            // SyncBatchNorm's collectives raise their errors as panics carrying the error.
-            Err(payload) => match payload.downcast::<DdpError>() {
-                Ok(err) => Err(*err),
-                Err(payload) => Err(DdpError::WorkerPanicked {
-                    rank: self.rank,
-                    message: panic_message(payload.as_ref()),
-                }),
-            },
-        };
-        match &result {
-            // Every rank stopped at the same step: nothing to abort.
-            Err(err @ DdpError::Preempted { .. }) => {
-                tracing::warn!("burn-ddp: rank {}: {err}", self.rank);
-            }
-            Err(err) => {
-                tracing::error!("burn-ddp: rank {} failed: {err}", self.rank);
-                // Peers must not wait for this rank: fail their collectives at once.
-                self.group.abort(&err.to_string());
-            }
-            Ok(()) => {}
+    // `burn_ddp::rank()` in user code on this thread (a train step, a metric) answers this rank.
+    let _rank = crate::context::enter_rank(trainer.rank, trainer.group.world_size());
+    let mut report = RankReport {
+        rank: trainer.rank,
+        ..RankReport::default()
+    };
+    let mut model_out = None;
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        train(&mut trainer, &mut report, &mut model_out)
+    }));
+    let result = match result {
+        Ok(result) => result,
+        // SyncBatchNorm's collectives raise their errors as panics carrying the error.
+        Err(payload) => match payload.downcast::<DdpError>() {
+            Ok(err) => Err(*err),
+            Err(payload) => Err(DdpError::WorkerPanicked {
+                rank: trainer.rank,
+                message: crate::error::panic_message(payload.as_ref()),
+            }),
+        },
+    };
+    match &result {
+        // Every rank stopped at the same step: nothing to abort.
+        Err(err @ DdpError::Preempted { .. }) => {
+            tracing::warn!("burn-ddp: rank {}: {err}", trainer.rank);
         }
-        let model = || model_out.unwrap_or_else(|| self.learner.model());
-        let leader = match self.role {
-            Role::Leader(leader) => Some((model(), leader.event_processor)),
-            Role::Silent(processor) => Some((model(), *processor)),
-            Role::Follower(_) => None,
-        };
-        Finished {
-            result,
-            report,
-            leader,
+        Err(err) => {
+            tracing::error!("burn-ddp: rank {} failed: {err}", trainer.rank);
+            // Peers must not wait for this rank: fail their collectives at once.
+            trainer.group.abort(&err.to_string());
         }
+        Ok(()) => {}
     }
+    let model = || model_out.unwrap_or_else(|| trainer.learner.model());
+    let leader = match trainer.role {
+        Role::Leader(leader) => Some((model(), leader.event_processor)),
+        Role::Silent(processor) => Some((model(), *processor)),
+        Role::Follower(_) => None,
+    };
+    Finished {
+        result,
+        report,
+        leader,
+    }
+}
 
-    fn train(
-        &mut self,
-        report: &mut RankReport,
-        model_out: &mut Option<TrainingModel<LC>>,
-    ) -> Result<()> {
-        // CUDA replicas reduce with NCCL, in GPU memory (the host group bootstraps it).
-        self.group = crate::nccl::group_for_device(self.group.clone(), &self.device, &self.config)?;
-        // Every collective of this rank from here on is counted (RankReport::collectives).
-        let collectives = Arc::new(AtomicU64::new(0));
-        self.group = Arc::new(CountingGroup::new(self.group.clone(), collectives.clone()));
-        // SyncBatchNorm layers synchronise with this rank's group.
-        let _current =
-            crate::sync_bn::enter_process_group(self.group.clone(), self.config.timeout());
-        self.learner.fork(&self.device);
-        // Check the replicas and start from rank 0's parameters and buffers.
-        let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::for_replica(
-            self.group.clone(),
-            self.learner.model(),
-            &self.device,
-            self.config.clone(),
-        )?;
-        self.learner.load_model(model.into_record());
-        // Processes resuming from different checkpoints would train different steps, and
-        // different settings or data would diverge or call different collectives.
-        Startup {
-            epochs: (*self.epochs.start() as u64, *self.epochs.end() as u64),
-            resumed_batches: self.resume.batches as u64,
-            counters: (self.resume.synchronisations, self.resume.optimizer_steps),
-            settings: self.config.semantics_fingerprint() ^ self.grad_accumulation as u64,
-            ..self.loaders
-        }
-        .compare(self.group.as_ref(), self.config.timeout(), &self.config)?;
-        let result = self.train_epochs(&mut ddp, report, &collectives);
-        // Counters also on failure: they tell how far the rank got.
-        report.comm = ddp.comm_stats().clone();
-        result?;
-        *model_out = Some(self.learner.model());
-        Ok(())
+fn train<LC: LearningComponentsTypes + Send + 'static>(
+    trainer: &mut Trainer<LC>,
+    report: &mut RankReport,
+    model_out: &mut Option<TrainingModel<LC>>,
+) -> Result<()>
+where
+    ModelOutput<LC>: 'static,
+    ValidOutput<LC>: 'static,
+{
+    // CUDA replicas reduce with NCCL, in GPU memory (the host group bootstraps it).
+    trainer.group =
+        crate::nccl::group_for_device(trainer.group.clone(), &trainer.device, &trainer.config)?;
+    // Every collective of this rank from here on is counted (RankReport::collectives).
+    let collectives = Arc::new(AtomicU64::new(0));
+    trainer.group = Arc::new(CountingGroup::new(
+        trainer.group.clone(),
+        collectives.clone(),
+    ));
+    // SyncBatchNorm layers synchronise with this rank's group.
+    let _current =
+        crate::sync_bn::enter_process_group(trainer.group.clone(), trainer.config.timeout());
+    trainer.learner.fork(&trainer.device);
+    // Check the replicas and start from rank 0's parameters and buffers.
+    let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::for_replica(
+        trainer.group.clone(),
+        trainer.learner.model(),
+        &trainer.device,
+        trainer.config.clone(),
+    )?;
+    trainer.learner.load_model(model.into_record());
+    // Processes resuming from different checkpoints would train different steps, and
+    // different settings or data would diverge or call different collectives.
+    Startup {
+        epochs: (*trainer.epochs.start() as u64, *trainer.epochs.end() as u64),
+        resumed_batches: trainer.resume.batches as u64,
+        counters: (
+            trainer.resume.synchronisations,
+            trainer.resume.optimizer_steps,
+        ),
+        settings: trainer.config.semantics_fingerprint() ^ trainer.grad_accumulation as u64,
+        ..trainer.loaders
     }
+    .compare(
+        trainer.group.as_ref(),
+        trainer.config.timeout(),
+        &trainer.config,
+    )?;
+    let result = trainer.train_epochs(&mut ddp, report, &collectives);
+    // Counters also on failure: they tell how far the rank got.
+    report.comm = ddp.comm_stats().clone();
+    result?;
+    *model_out = Some(trainer.learner.model());
+    Ok(())
 }
 
 /// Every rank's report, rank 0's model and event processor, and the root cause of a failure.
@@ -208,7 +150,7 @@ pub(super) type Collected<LC> = (
 /// give back: every rank's report, rank 0's model and event processor, and the root cause when
 /// ranks failed. Returns `None` for rank 0's parts when its thread could not start or is stuck.
 pub(super) fn run_all<LC: LearningComponentsTypes + Send + 'static>(
-    workers: Vec<Worker<LC>>,
+    workers: Vec<Trainer<LC>>,
     grace: std::time::Duration,
 ) -> Collected<LC>
 where
@@ -229,14 +171,14 @@ where
         let rank = worker.rank;
         if inline {
             running.insert(rank);
-            let _ = done_tx.send((rank, worker.run()));
+            let _ = done_tx.send((rank, run(worker)));
             continue;
         }
         let done_tx = done_tx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("burn-ddp-rank-{rank}"))
             .spawn(move || {
-                let _ = done_tx.send((rank, worker.run()));
+                let _ = done_tx.send((rank, run(worker)));
             });
         match spawned {
             Ok(_) => {
@@ -367,15 +309,4 @@ fn root_cause(errors: Vec<(usize, DdpError)>) -> Option<DdpError> {
         .into_iter()
         .min_by_key(|(rank, e)| (weight(e), *rank))
         .map(|(_, e)| e)
-}
-
-/// The message of a panic's payload.
-pub(super) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".into()
-    }
 }

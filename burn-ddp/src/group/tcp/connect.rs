@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use super::wire::Peer;
 use super::{ABORT_POLL_INTERVAL, TcpGroup};
 use crate::auth::{self, JobIdentity, Role, Service};
+use crate::error::{DdpError, Result};
 use crate::rendezvous::rendezvous;
 use crate::topology::Topology;
-use crate::{DdpError, Result};
 
 /// Connections at most in their handshake at once (more are closed at once).
 const MAX_HANDSHAKES: usize = 32;

@@ -37,9 +37,9 @@ use std::time::{Duration, Instant};
 use bytemuck::Pod;
 
 use super::{Collective, HalfFloat, ProcessGroup, ReduceOp, lock};
+use crate::error::{DdpError, Result};
 use crate::partition::chunk_range;
 use crate::rendezvous::Rendezvous;
-use crate::{DdpError, Result};
 use wire::{Call, Incoming, Outgoing, Peer, Streams};
 
 /// How often [`ProcessGroup::aborted`] asks the rendezvous store whether a peer aborted (a

@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::error::{DdpError, Result};
 use crate::group::Collective;
-use crate::{DdpError, Result};
 
 pub(super) const HEADER_BYTES: usize = 40;
 pub(super) const KIND_DATA: u8 = 1;
