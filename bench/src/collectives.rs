@@ -7,10 +7,13 @@ use std::time::{Duration, Instant};
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::{Distribution, Tensor, TensorData};
-use burn_ddp::advanced::topology::{Topology, TopologySource};
-use burn_ddp::advanced::{Reducer, ReplicaLayout};
 use burn_ddp::group::{ReduceOp, TcpGroupOptions};
-use burn_ddp::{DdpConfig, ProcessGroup, TcpGroup, ThreadGroup};
+use burn_ddp::mechanism::topology::{Topology, TopologySource};
+use burn_ddp::mechanism::{Reducer, ReplicaLayout};
+use burn_ddp::{
+    DdpConfig, ProcessGroup,
+    group::{TcpGroup, ThreadGroup},
+};
 use serde::{Deserialize, Serialize};
 
 use crate::models::{BigMlp, ModelKind};

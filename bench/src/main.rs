@@ -26,9 +26,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn_ddp::advanced::launch::{LaunchConfig, launch};
 use burn_ddp::group::TcpGroupOptions;
-use burn_ddp::{ProcessGroup, TcpGroup};
+use burn_ddp::mechanism::launch::{LaunchConfig, launch};
+use burn_ddp::{ProcessGroup, group::TcpGroup};
 use clap::{Parser, Subcommand};
 
 use crate::collectives::GroupKind;
@@ -175,7 +175,7 @@ fn main() -> ExitCode {
 fn join(mpi: bool) -> Result<Arc<dyn ProcessGroup>, String> {
     if mpi {
         #[cfg(feature = "mpi")]
-        return burn_ddp::MpiGroup::world()
+        return burn_ddp::group::MpiGroup::world()
             .map(|g| Arc::new(g) as Arc<dyn ProcessGroup>)
             .map_err(|e| e.to_string());
         #[cfg(not(feature = "mpi"))]

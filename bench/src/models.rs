@@ -166,7 +166,7 @@ mod tests {
     #[test]
     fn the_communication_heavy_model_has_the_documented_size() {
         let layout =
-            burn_ddp::advanced::ReplicaLayout::of(&BigMlp::<Flex>::new(&Default::default()));
+            burn_ddp::mechanism::ReplicaLayout::of(&BigMlp::<Flex>::new(&Default::default()));
         // input 784·512 + 512; per block LayerNorm 2·512, 512·1024 + 1024, 1024·512 + 512; head
         // 512·10 + 10.
         let block = 2 * WIDTH + (WIDTH * 2 * WIDTH + 2 * WIDTH) + (2 * WIDTH * WIDTH + WIDTH);

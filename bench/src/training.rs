@@ -243,7 +243,7 @@ pub fn paired_ratio(run: &Throughput, base: &Throughput) -> f64 {
 pub fn run_with_loader(plan: &Plan, loader: Loader) -> Throughput {
     let device = Default::default();
     let model = fashion_mnist::model::Cnn::<B>::new(&device);
-    let _ = burn_ddp::advanced::value_fingerprint(&model);
+    let _ = burn_ddp::mechanism::value_fingerprint(&model);
     run_model(
         ModelKind::Cnn,
         model,
@@ -267,17 +267,17 @@ pub fn run(
     match kind {
         ModelKind::Cnn => {
             let model = fashion_mnist::model::Cnn::<B>::new(&device);
-            let _ = burn_ddp::advanced::value_fingerprint(&model);
+            let _ = burn_ddp::mechanism::value_fingerprint(&model);
             run_model(kind, model, strategy, plan, group, loader)
         }
         ModelKind::Mlp => {
             let model = BigMlp::<B>::new(&device);
-            let _ = burn_ddp::advanced::value_fingerprint(&model);
+            let _ = burn_ddp::mechanism::value_fingerprint(&model);
             run_model(kind, model, strategy, plan, group, loader)
         }
         ModelKind::MlpFrozen => {
             let model = BigMlp::<B>::new(&device);
-            let _ = burn_ddp::advanced::value_fingerprint(&model);
+            let _ = burn_ddp::mechanism::value_fingerprint(&model);
             run_model(kind, model.frozen_half(), strategy, plan, group, loader)
         }
     }

@@ -163,7 +163,7 @@ pub enum Secret {
     None,
 }
 
-/// A job's run id and keys (see [`advanced::auth`](crate::advanced::auth)). `Debug` shows no
+/// A job's run id and keys (see [`mechanism::auth`](crate::mechanism::auth)). `Debug` shows no
 /// key.
 #[derive(Clone)]
 pub struct JobIdentity {

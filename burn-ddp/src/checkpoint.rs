@@ -15,6 +15,10 @@
 //! [`DdpStrategy`](crate::DdpStrategy) the [`DistributedDataLoader`](crate::DistributedDataLoader)
 //! takes its epoch from burn-train's (the strategy sets it before every epoch). A
 //! resumed run then trains exactly as the uninterrupted run would have (tested bit for bit).
+//!
+//! A run stopped by SIGTERM, SIGINT or SIGHUP ([`DdpConfig::with_stop_on_signal`](
+//! crate::DdpConfig::with_stop_on_signal)) writes a checkpoint of the step it stopped at and
+//! exits with [`PREEMPTED_EXIT_CODE`].
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +29,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{DdpError, Result};
+
+pub use crate::signals::PREEMPTED_EXIT_CODE;
 
 /// A Burn file recorder that writes atomically: to a temporary file in the same directory, synced,
 /// then renamed over the final name. Reading is the wrapped recorder's.

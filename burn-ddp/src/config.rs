@@ -318,7 +318,7 @@ impl DdpConfig {
     /// run lasts, the first such signal to any rank makes every rank stop at the next optimizer
     /// step, rank 0 write a checkpoint of it (with a checkpoint directory), and the run end with
     /// [`DdpError::Preempted`] (`launch_ddp`), or the process exit with
-    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE) (plain `launch`); a second signal
+    /// [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE) (plain `launch`); a second signal
     /// ends the process at once. `false` leaves the signals' default effect.
     pub fn with_stop_on_signal(mut self, stop: bool) -> Self {
         self.stop_on_signal = stop;
@@ -480,7 +480,7 @@ impl DdpConfig {
     /// format cannot hold goes as `f32`, counted and reported (see
     /// [`reducer::compress`](crate::reducer::compress)). On every process group: NCCL's reduces
     /// 16-bit device buckets, the CPU groups run the [`Compress16`](crate::hooks::Compress16)
-    /// hook ([`TcpGroup`](crate::TcpGroup) sends half the bytes). Every rank must use the same
+    /// hook ([`TcpGroup`](crate::group::TcpGroup) sends half the bytes). Every rank must use the same
     /// setting.
     pub fn with_gradient_compression(mut self, compression: GradientCompression) -> Self {
         self.gradient_compression = compression;

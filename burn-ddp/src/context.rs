@@ -9,7 +9,7 @@
 //! 2. the process: a multi-process run (its process group), or a thread-mode run, which counts as
 //!    the main process (rank 0) outside its rank threads, since rank 0 drives burn-train's events;
 //! 3. the launcher's environment (`RANK`/`WORLD_SIZE`, Slurm's or Open MPI's variables, as
-//!    [`Topology::from_env`](crate::advanced::Topology::from_env) reads them), so `main` can ask
+//!    [`Topology::from_env`](crate::mechanism::Topology::from_env) reads them), so `main` can ask
 //!    before training starts;
 //! 4. otherwise rank 0 of 1.
 

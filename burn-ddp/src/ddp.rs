@@ -33,7 +33,7 @@ use crate::replica::{
 /// use burn::nn::{Linear, LinearConfig};
 /// use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 /// use burn::tensor::{Distribution, Tensor};
-/// use burn_ddp::{DdpConfig, DistributedDataParallel, ProcessGroup, ThreadGroup};
+/// use burn_ddp::{DdpConfig, DistributedDataParallel, ProcessGroup, group::ThreadGroup};
 ///
 /// type B = Autodiff<NdArray>;
 ///

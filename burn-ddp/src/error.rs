@@ -184,7 +184,7 @@ pub enum DdpError {
     /// Training stopped because a rank received a stop signal (SIGTERM, as clusters send before
     /// they preempt a job; SIGINT; SIGHUP): every rank stopped at the same optimizer step, and
     /// rank 0 wrote a checkpoint of it when a checkpoint directory is set. Exit with
-    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE) ([`DdpError::exit_code`]); a run with
+    /// [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE) ([`DdpError::exit_code`]); a run with
     /// [`DdpConfig::with_resume`](crate::DdpConfig::with_resume) continues from there.
     #[error(
         "training stopped at batch {batches} of epoch {epoch} (seen by rank {rank}): {} received a stop signal; {}",
@@ -296,7 +296,7 @@ pub enum DdpError {
 
     /// The launcher stopped its job because of a stop signal: it received SIGINT, SIGTERM or
     /// SIGHUP (and stopped its workers), or its workers stopped after one, their checkpoint
-    /// written. Exit with [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE).
+    /// written. Exit with [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE).
     #[error("launcher: {detail}")]
     Stopped {
         /// The signal the launcher received, if it received one.
@@ -390,7 +390,7 @@ impl DdpError {
     }
 
     /// The exit code for a process that ends with this error:
-    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE) (143) for [`DdpError::Preempted`] (a
+    /// [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE) (143) for [`DdpError::Preempted`] (a
     /// graceful stop after a signal, checkpoint written), 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {

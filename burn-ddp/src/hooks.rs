@@ -1,7 +1,7 @@
 //! Communication hooks: how a step's gradient buckets are reduced across the ranks, the seam
 //! PyTorch DDP opens with `register_comm_hook`.
 //!
-//! The [`Reducer`](crate::advanced::Reducer) flattens a step's gradients into host buckets and
+//! The [`Reducer`](crate::mechanism::Reducer) flattens a step's gradients into host buckets and
 //! hands them all to a [`CommHook`], which must leave every rank with the same reduced values;
 //! then the reducer's own steps follow whatever the hook did: the NaN/infinity check and
 //! clipping by the global norm, from the reduced values. Two hooks are built in:
@@ -9,8 +9,8 @@
 //! - [`Compress16`]: gradients on the wire as `bf16` or `f16`, half the bytes
 //!   ([`DdpConfig::with_gradient_compression`](crate::DdpConfig::with_gradient_compression)
 //!   installs it), scaled per bucket so that neither large nor tiny gradients are lost (see
-//!   [`reducer::compress`](crate::reducer::compress)); a [`TcpGroup`](crate::TcpGroup) sends
-//!   the 16-bit values ([`ProcessGroup::all_reduce_half`]).
+//!   [`reducer::compress`](crate::reducer::compress)); a [`TcpGroup`](crate::group::TcpGroup) sends
+//!   the 16-bit values ([`ExtendedCollectives::all_reduce_half`]).
 //!
 //! A hook of your own ([`DdpConfig::with_comm_hook`](crate::DdpConfig::with_comm_hook)) sees
 //! the same buckets: PowerSGD's low-rank approximation is the standard example. Every rank must
@@ -26,7 +26,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::group::{HalfFloat, ProcessGroup, ReduceOp};
+use crate::group::{ExtendedCollectives, HalfFloat, ProcessGroup, ReduceOp};
 use crate::reducer::compress::{Fallback, GradientCompression, Wire, choose_wire};
 
 /// One bucket of a step, as a hook sees it.
@@ -131,7 +131,7 @@ impl CommHook for AllReduce {
 /// ranks agree on every bucket's largest and smallest non-zero magnitude (one all-gather per
 /// step, which also carries the bookkeeping, reduced exactly), each bucket is scaled by a power
 /// of two that keeps the sum in the format's range, sent with
-/// [`ProcessGroup::all_reduce_half`], and scaled back. A bucket whose magnitudes span more than
+/// [`ExtendedCollectives::all_reduce_half`], and scaled back. A bucket whose magnitudes span more than
 /// the format's normal range goes as `f32` that step, counted and reported once per bucket (see
 /// [`reducer::compress`](crate::reducer::compress)).
 #[derive(Debug)]

@@ -13,15 +13,14 @@
 //!
 //! The pieces, in the order a training step uses them (see ARCHITECTURE.md):
 //! [`DistributedSampler`] / [`DistributedDataLoader`] (which samples each rank sees),
-//! [`ProcessGroup`] / [`ThreadGroup`] / [`TcpGroup`] (the collectives), [`config`] (the settings),
+//! [`ProcessGroup`] and the [`group`]s that implement it (the collectives), [`config`] (the settings),
 //! [`hooks`] (how a gradient bucket is reduced), [`metrics`] (where the time goes); the machinery
-//! (reducer, replica checks, rendezvous, launcher) is in [`advanced`].
+//! (reducer, replica checks, rendezvous, launcher) is in [`mechanism`].
 //! Every failure is a [`DdpError`] that names the rank, the collective, its sequence number and
 //! the timeout.
 
 #![warn(missing_docs)]
 
-pub mod advanced;
 mod auth;
 pub mod checkpoint;
 pub mod config;
@@ -34,8 +33,8 @@ mod launch;
 mod lockstep;
 mod log;
 pub mod lr;
+pub mod mechanism;
 pub mod metrics;
-pub mod nccl;
 mod net;
 pub mod outputs;
 mod partition;
@@ -52,16 +51,13 @@ mod topology;
 // The public API (ARCHITECTURE.md, "API boundary"): what a Burn training needs is here; the
 // settings, checkpoints, learning rates, reports, hooks, process groups and NCCL have a module
 // each; everything else (the reducer, replica checks, store, rendezvous, topology, launcher) is
-// under `advanced`.
+// under `mechanism`.
 pub use config::DdpConfig;
 pub use context::{is_main_process, rank, world_size};
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
-#[cfg(feature = "mpi")]
-pub use group::MpiGroup;
-pub use group::{ProcessGroup, TcpGroup, ThreadGroup};
+pub use group::ProcessGroup;
 pub use sampler::{DistributedDataLoader, DistributedSampler};
-pub use signals::PREEMPTED_EXIT_CODE;
 pub use strategy::{DdpStrategy, DdpTraining};
 pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};
 

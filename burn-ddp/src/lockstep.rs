@@ -8,7 +8,7 @@
 //! collective of its own while the ranks agree).
 //!
 //! How: every rank hashes its position to 16 bits and sends each bit as a pair of words
-//! `(bit, 1 - bit)` with the gradients ([`ReduceOptions::words`](crate::advanced::ReduceOptions)).
+//! `(bit, 1 - bit)` with the gradients ([`ReduceOptions::words`](crate::mechanism::ReduceOptions)).
 //! Summed over the ranks, a word is positive when any rank set it, whatever the wire (`f32`,
 //! 16-bit, an average): the ranks agree exactly when no pair has both words positive (up to
 //! hash collisions, one in 2^16 per step; a rank whose batches are out of step stays so, and the

@@ -13,7 +13,7 @@ use burn::train::renderer::{
 use std::fmt;
 use std::time::Duration;
 
-/// Communication counters of one rank's [`Reducer`](crate::advanced::Reducer).
+/// Communication counters of one rank's [`Reducer`](crate::mechanism::Reducer).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CommStats {
     /// Gradient synchronisations (optimizer steps).

@@ -10,7 +10,7 @@
 //! - [`wait`](StoreClient::wait) until all of some keys exist.
 //!
 //! **Only the job's processes.** Every connection starts with the job's challenge-response
-//! ([`auth`](crate::advanced::auth)): a process of another run is refused naming both run ids, a
+//! ([`auth`](crate::mechanism::auth)): a process of another run is refused naming both run ids, a
 //! stranger is refused and learns nothing. Keys under `burn-ddp/launcher/` (the restart round)
 //! are written by launchers only. **Bounded.** At most 64 connections may be in their handshake
 //! (5 s each, off the accept loop) and 4096 served; a request must arrive whole within 10 s once

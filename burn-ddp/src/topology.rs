@@ -66,7 +66,7 @@ pub struct Topology {
     pub local_world_size: usize,
     /// Host name or IP address of the rendezvous store. Empty under an MPI launcher (with the
     /// `mpi` feature) when `MASTER_ADDR` is unset: the `MpiGroup` needs no store, and
-    /// [`TcpGroup::connect`](crate::TcpGroup::connect) refuses it.
+    /// [`TcpGroup::connect`](crate::group::TcpGroup::connect) refuses it.
     pub master_addr: String,
     /// Port of the rendezvous store.
     pub master_port: u16,

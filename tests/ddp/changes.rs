@@ -13,7 +13,7 @@ use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
-use burn_ddp::{DdpConfig, DdpError, DistributedDataParallel, ProcessGroup, ThreadGroup};
+use burn_ddp::{DdpConfig, DdpError, DistributedDataParallel, ProcessGroup, group::ThreadGroup};
 use burn_ddp_tests::{
     Batch, CLASSES, FEATURES, GlobalNormClipped, ItemBatcher, Run, TestBackend, copy_of, device,
     float_tensors, max_relative_difference, run_training, synthetic_dataset,
@@ -39,7 +39,7 @@ impl<B: Backend> TwoLayers<B> {
             activation: Relu::new(),
         };
         // Materialise the lazily created parameters, so clones share their values.
-        let _ = burn_ddp::advanced::value_fingerprint(&model);
+        let _ = burn_ddp::mechanism::value_fingerprint(&model);
         model
     }
 
@@ -313,7 +313,7 @@ impl<B: Backend> Tied<B> {
             head: LinearConfig::new(FEATURES, CLASSES).init(device),
             activation: Relu::new(),
         };
-        let _ = burn_ddp::advanced::value_fingerprint(&model);
+        let _ = burn_ddp::mechanism::value_fingerprint(&model);
         model
     }
 

@@ -10,7 +10,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn_ddp::{DdpConfig, DistributedDataParallel, ProcessGroup, ThreadGroup};
+use burn_ddp::{DdpConfig, DistributedDataParallel, ProcessGroup, group::ThreadGroup};
 use burn_ddp_tests::{
     CLASSES, FEATURES, Item, ItemBatcher, TestBackend, device, float_tensors, materialized,
     max_relative_difference, synthetic_dataset,

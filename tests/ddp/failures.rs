@@ -18,7 +18,7 @@ use burn::train::{
 use burn_ddp::config::Validation;
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataParallel, ProcessGroup,
-    ThreadGroup,
+    group::ThreadGroup,
 };
 use burn_ddp_tests::{
     Batch, DeeperMlp, ItemBatcher, Mlp, Run, SilentRenderer, TestBackend, device, materialized,

@@ -8,9 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use burn_ddp::advanced::launch::{LaunchConfig, launch};
-use burn_ddp::advanced::store::StoreServer;
-use burn_ddp::advanced::{ReplicaLayout, TensorKind};
+use burn_ddp::mechanism::launch::{LaunchConfig, launch};
+use burn_ddp::mechanism::store::StoreServer;
+use burn_ddp::mechanism::{ReplicaLayout, TensorKind};
 use burn_ddp::{DdpConfig, DdpError};
 use burn_ddp_tests::{
     ExampleCnn, TestBackend, clean_env, device, read_tensors, test_job, train_example_cnn,
@@ -52,7 +52,7 @@ fn spawn_worker(rank: usize, world_size: usize, port: u16, args: &[&str]) -> Chi
         .env("WORLD_SIZE", world_size.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
-        .env(burn_ddp::advanced::topology::AGENT_STORE_VAR, "1")
+        .env(burn_ddp::mechanism::topology::AGENT_STORE_VAR, "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -11,8 +11,8 @@ use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
-use burn_ddp::advanced::value_fingerprint;
-use burn_ddp::{DdpConfig, DdpError, DistributedDataParallel, ProcessGroup, ThreadGroup};
+use burn_ddp::mechanism::value_fingerprint;
+use burn_ddp::{DdpConfig, DdpError, DistributedDataParallel, ProcessGroup, group::ThreadGroup};
 use burn_ddp_tests::{
     Batch, BnCnn, ItemBatcher, Mlp, Run, TestBackend, device, float_tensors, materialized,
     run_training, synthetic_dataset,
@@ -202,11 +202,11 @@ fn the_start_up_broadcast_is_bit_exact_for_f64_models() {
                     let group: Arc<dyn ProcessGroup> = Arc::new(group);
                     let device = Default::default();
                     let model = BnCnn::<B64>::new(&device);
-                    let before = burn_ddp::advanced::tensor_fingerprints(&model);
+                    let before = burn_ddp::mechanism::tensor_fingerprints(&model);
                     let (_, model) =
                         DistributedDataParallel::new(group, model, &device, DdpConfig::default())
                             .unwrap();
-                    (before, burn_ddp::advanced::tensor_fingerprints(&model))
+                    (before, burn_ddp::mechanism::tensor_fingerprints(&model))
                 })
             })
             .collect();

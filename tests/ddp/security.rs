@@ -8,10 +8,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use burn::optim::SgdConfig;
-use burn_ddp::advanced::auth::JobIdentity;
-use burn_ddp::advanced::store::StoreServer;
 use burn_ddp::group::TcpGroupOptions;
-use burn_ddp::{DdpConfig, DdpError, TcpGroup};
+use burn_ddp::mechanism::auth::JobIdentity;
+use burn_ddp::mechanism::store::StoreServer;
+use burn_ddp::{DdpConfig, DdpError, group::TcpGroup};
 use burn_ddp_tests::{
     Mlp, Run, clean_env, deterministic, device, over_tcp, run_training, test_job, with_test_job,
 };
@@ -30,7 +30,7 @@ fn a_process_of_another_job_on_the_same_port_is_refused_naming_both_runs() {
     // Job A's store; a rank of job B (same port, another run id) tries to join.
     let store = StoreServer::bind("127.0.0.1:0".parse().unwrap(), &test_job()).unwrap();
     let port = store.local_addr().port();
-    let topology = burn_ddp::advanced::Topology {
+    let topology = burn_ddp::mechanism::Topology {
         rank: 1,
         world_size: 2,
         local_rank: 1,
@@ -39,7 +39,7 @@ fn a_process_of_another_job_on_the_same_port_is_refused_naming_both_runs() {
         master_port: port,
         agent_store: true,
         restart_count: 0,
-        source: burn_ddp::advanced::TopologySource::Torchrun,
+        source: burn_ddp::mechanism::TopologySource::Torchrun,
     };
     let job_b = JobIdentity::new("job-b", Some(b"burn-ddp tests token")).unwrap();
     let started = Instant::now();
@@ -298,7 +298,7 @@ fn a_worker_started_with_the_jobs_token_trains_and_one_without_is_refused() {
         .port();
     let spawn = |rank: usize, token: &str| {
         with_test_job(clean_env(&mut Command::new(WORKER)))
-            .env(burn_ddp::advanced::auth::JOB_TOKEN_VAR, token)
+            .env(burn_ddp::mechanism::auth::JOB_TOKEN_VAR, token)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", "2")
             .env("MASTER_ADDR", "127.0.0.1")

@@ -9,10 +9,10 @@ use burn::optim::{AdamConfig, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
-use burn_ddp::advanced::topology::{Topology, TopologySource};
 use burn_ddp::config::{BufferSync, NonFinite, UnevenInputs};
 use burn_ddp::group::TcpGroupOptions;
-use burn_ddp::{DdpConfig, DdpError, ProcessGroup, TcpGroup};
+use burn_ddp::mechanism::topology::{Topology, TopologySource};
+use burn_ddp::{DdpConfig, DdpError, ProcessGroup, group::TcpGroup};
 use burn_ddp_tests::{
     Batch, BnCnn, CountingScheduler, Mlp, Run, copy_of, device, float_tensors, materialized,
     max_relative_difference, run_training, with_values,
@@ -171,7 +171,7 @@ fn two_process_run_of(
     nan: bool,
 ) -> Vec<Result<burn_ddp_tests::Trained, DdpError>> {
     // The store is the test's, on a port the system picked, as a launcher would serve it.
-    let store = burn_ddp::advanced::store::StoreServer::bind(
+    let store = burn_ddp::mechanism::store::StoreServer::bind(
         "127.0.0.1:0".parse().unwrap(),
         &burn_ddp_tests::test_job(),
     )

@@ -700,7 +700,7 @@ where
     let world_size = match (&run.group, run.from_env) {
         (Some(group), _) => group.world_size(),
         // Under a launcher, the job's (from the environment, as user code would ask).
-        (None, Some(_)) if burn_ddp::advanced::Topology::from_env()?.is_some() => {
+        (None, Some(_)) if burn_ddp::mechanism::Topology::from_env()?.is_some() => {
             burn_ddp::world_size()
         }
         _ => run.replicas.unwrap_or(1).max(1),
@@ -1106,7 +1106,7 @@ pub fn deterministic<M: Module<TestBackend>>(model: M, seed: u64) -> M {
             Param::from_mapped_value(id, value, mapper)
         }
     }
-    let buffers = burn_ddp::advanced::ReplicaLayout::of(&model).buffer_mask();
+    let buffers = burn_ddp::mechanism::ReplicaLayout::of(&model).buffer_mask();
     model.map(&mut Fill {
         seed,
         buffers,
@@ -1118,7 +1118,7 @@ pub fn deterministic<M: Module<TestBackend>>(model: M, seed: u64) -> M {
 /// A freshly initialised model whose lazily created parameters are materialised, so clones share
 /// the same values (Burn initialises parameters lazily, per clone).
 pub fn materialized<M: Module<TestBackend>>(model: M) -> M {
-    let _ = burn_ddp::advanced::value_fingerprint(&model);
+    let _ = burn_ddp::mechanism::value_fingerprint(&model);
     model
 }
 
@@ -1283,7 +1283,7 @@ pub fn train_example_cnn_from_env(
     init_seed: u64,
 ) -> Result<Trained, DdpError> {
     // The job's world size, from the environment as user code asks it (threads: `replicas`).
-    let world_size = match burn_ddp::advanced::Topology::from_env()? {
+    let world_size = match burn_ddp::mechanism::Topology::from_env()? {
         Some(_) => burn_ddp::world_size(),
         None => replicas,
     };
@@ -1406,8 +1406,8 @@ pub fn clean_env(command: &mut std::process::Command) -> &mut std::process::Comm
 
 /// The job identity of the tests' multi-process jobs (run id and token, as a user sets them by
 /// hand for Slurm or mpirun).
-pub fn test_job() -> burn_ddp::advanced::auth::JobIdentity {
-    burn_ddp::advanced::auth::JobIdentity::new(TEST_RUN_ID, Some(TEST_TOKEN.as_bytes()))
+pub fn test_job() -> burn_ddp::mechanism::auth::JobIdentity {
+    burn_ddp::mechanism::auth::JobIdentity::new(TEST_RUN_ID, Some(TEST_TOKEN.as_bytes()))
         .expect("a valid identity")
 }
 
@@ -1419,8 +1419,8 @@ pub const TEST_TOKEN: &str = "burn-ddp tests token";
 /// Gives a worker process started by hand (not by the launcher) the tests' job identity.
 pub fn with_test_job(command: &mut std::process::Command) -> &mut std::process::Command {
     command
-        .env(burn_ddp::advanced::auth::RUN_ID_VAR, TEST_RUN_ID)
-        .env(burn_ddp::advanced::auth::JOB_TOKEN_VAR, TEST_TOKEN)
+        .env(burn_ddp::mechanism::auth::RUN_ID_VAR, TEST_RUN_ID)
+        .env(burn_ddp::mechanism::auth::JOB_TOKEN_VAR, TEST_TOKEN)
 }
 
 /// Rank `rank`'s `i`-th input in the collective tests (exact in `f32`, different per rank).
@@ -1476,10 +1476,10 @@ pub fn over_tcp<T: Send>(
     world_size: usize,
     f: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Sync,
 ) -> Vec<Result<T, DdpError>> {
-    use burn_ddp::TcpGroup;
-    use burn_ddp::advanced::topology::{Topology, TopologySource};
+    use burn_ddp::group::TcpGroup;
     use burn_ddp::group::TcpGroupOptions;
-    let store = burn_ddp::advanced::store::StoreServer::bind(
+    use burn_ddp::mechanism::topology::{Topology, TopologySource};
+    let store = burn_ddp::mechanism::store::StoreServer::bind(
         "127.0.0.1:0".parse().expect("an address"),
         &test_job(),
     )

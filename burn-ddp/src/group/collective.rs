@@ -57,7 +57,7 @@ pub enum Collective {
     },
 }
 
-/// A 16-bit floating-point format of [`ProcessGroup::all_reduce_half`](crate::group::ProcessGroup::all_reduce_half).
+/// A 16-bit floating-point format of [`ProcessGroup::all_reduce_half`](crate::group::ExtendedCollectives::all_reduce_half).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HalfFloat {
     /// bfloat16: `f32`'s range, 8 bits of significand.

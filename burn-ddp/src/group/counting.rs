@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::{HalfFloat, ProcessGroup, ReduceOp};
+use super::{ExtendedCollectives, HalfFloat, Native, ProcessGroup, ReduceOp};
 use crate::error::Result;
 
 /// Forwards every call to `inner`, counting each collective (all-reduce, broadcast, barrier,
@@ -44,17 +44,6 @@ impl ProcessGroup for CountingGroup {
         self.inner.all_reduce(bucket, op, timeout)
     }
 
-    fn all_reduce_half(
-        &self,
-        bucket: &mut [u16],
-        format: HalfFloat,
-        op: ReduceOp,
-        timeout: Duration,
-    ) -> Result<()> {
-        self.counted();
-        self.inner.all_reduce_half(bucket, format, op, timeout)
-    }
-
     fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
         self.counted();
         self.inner.broadcast(buffer, root, timeout)
@@ -76,6 +65,23 @@ impl ProcessGroup for CountingGroup {
 
     fn aborted(&self) -> Option<String> {
         self.inner.aborted()
+    }
+
+    fn native(&self) -> Option<&dyn Native> {
+        Some(self)
+    }
+}
+
+impl Native for CountingGroup {
+    fn all_reduce_half(
+        &self,
+        bucket: &mut [u16],
+        format: HalfFloat,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.counted();
+        self.inner.all_reduce_half(bucket, format, op, timeout)
     }
 
     fn reduces_device_tensors(&self) -> bool {

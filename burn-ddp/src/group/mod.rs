@@ -29,8 +29,10 @@
 
 pub(crate) mod collective;
 pub(crate) mod counting;
+mod extension;
 #[cfg(feature = "mpi")]
 mod mpi;
+pub mod nccl;
 mod tcp;
 mod thread;
 
@@ -38,6 +40,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 pub use collective::{Collective, HalfFloat, ReduceOp};
+pub use extension::ExtendedCollectives;
+pub(crate) use extension::Native;
 #[cfg(feature = "mpi")]
 pub use mpi::{MPI_ABORT_EXIT_CODE, MpiGroup, launched_by_mpi};
 #[cfg(test)]
@@ -112,25 +116,6 @@ pub trait ProcessGroup: Send + Sync {
     /// earlier failure.
     fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()>;
 
-    /// Reduces `bucket`, 16-bit floats in `format` (their bits), across ranks in place: every
-    /// rank gets the element-wise sum (or average) of all ranks' values, rounded to `format`,
-    /// bit-identical on every rank. For gradient compression: a group that moves bytes sends half
-    /// of them. The default widens to `f32`, runs [`all_reduce`](ProcessGroup::all_reduce) and
-    /// rounds once (no saving on the wire); [`TcpGroup`] sends the 16-bit values, adding in
-    /// `f32` and rounding at every hop.
-    ///
-    /// # Errors
-    /// As [`all_reduce`](ProcessGroup::all_reduce).
-    fn all_reduce_half(
-        &self,
-        bucket: &mut [u16],
-        format: HalfFloat,
-        op: ReduceOp,
-        timeout: Duration,
-    ) -> Result<()> {
-        reduce_widened(bucket, format, |wide| self.all_reduce(wide, op, timeout))
-    }
-
     /// Copies `root`'s `buffer` into every other rank's `buffer` (same length on every rank).
     ///
     /// # Errors
@@ -165,32 +150,11 @@ pub trait ProcessGroup: Send + Sync {
         None
     }
 
-    /// Whether [`all_reduce_device`](ProcessGroup::all_reduce_device) takes device tensors; the
-    /// [`Reducer`](crate::advanced::Reducer) then builds its buckets in device memory instead of host
-    /// buffers. Default: `false` (the CPU groups reduce host buffers).
-    fn reduces_device_tensors(&self) -> bool {
-        false
-    }
-
-    /// Reduces `tensor`, a flat bucket in device memory, in place, like
-    /// [`all_reduce`](ProcessGroup::all_reduce). `tensor` is the backend's float tensor primitive
-    /// (`B::FloatTensorPrimitive`, e.g. a `CubeTensor` or a `FusionTensor` of burn-cuda) of
-    /// shape `[len]`, the same `len` and dtype on every rank.
-    ///
-    /// Returns `Ok(false)`, without communicating, when the group cannot reduce that kind of
-    /// tensor (the default for every group).
-    ///
-    /// # Errors
-    /// As [`all_reduce`](ProcessGroup::all_reduce); [`Nccl`](crate::DdpError::Nccl) for a failed
-    /// NCCL or CUDA call or a buffer that does not fit (not contiguous, unsupported dtype).
-    fn all_reduce_device(
-        &self,
-        tensor: &mut dyn std::any::Any,
-        op: ReduceOp,
-        timeout: Duration,
-    ) -> Result<bool> {
-        let _ = (tensor, op, timeout);
-        Ok(false)
+    /// The crate's own groups' native 16-bit and device collectives (see
+    /// [`ExtendedCollectives`]); other groups keep the default, `None`, and get the fallbacks.
+    #[doc(hidden)]
+    fn native(&self) -> Option<&dyn Native> {
+        None
     }
 }
 

@@ -49,7 +49,7 @@ use mpi::request::Request;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use super::{Collective, HalfFloat, ProcessGroup, ReduceOp, backoff, lock, reduce_widened};
+use super::{Collective, HalfFloat, Native, ProcessGroup, ReduceOp, backoff, lock, reduce_widened};
 use crate::error::{DdpError, Result};
 
 /// The exit code of every process of a job ended by [`MpiGroup`] (`MPI_Abort`'s error code):
@@ -234,7 +234,7 @@ unsafe impl Send for Comm {}
 /// # use burn::train::{SupervisedTraining, LearningComponentsTypes};
 /// # fn doc<LC: LearningComponentsTypes<Backend = Autodiff<Flex>> + Send + 'static>(training: SupervisedTraining<LC>) -> Result<SupervisedTraining<LC>, burn_ddp::DdpError> {
 /// use std::sync::Arc;
-/// use burn_ddp::{DdpStrategy, MpiGroup};
+/// use burn_ddp::{DdpStrategy, group::MpiGroup};
 /// // `mpirun -np 4 ./train`: rank, world size and local rank come from MPI.
 /// let group = Arc::new(MpiGroup::world()?);
 /// let strategy = DdpStrategy::with_process_group(Default::default(), group);
@@ -489,37 +489,6 @@ impl ProcessGroup for MpiGroup {
         Ok(())
     }
 
-    /// Widened to `f32`, summed by MPI, then rounded to `format` at the end (MPI has no 16-bit float
-    /// type). [`TcpGroup`](super::TcpGroup) rounds at every hop of its ring instead, so with 3 or
-    /// more ranks the two can differ in the last bit; every rank still gets the same bits.
-    fn all_reduce_half(
-        &self,
-        bucket: &mut [u16],
-        format: HalfFloat,
-        op: ReduceOp,
-        timeout: Duration,
-    ) -> Result<()> {
-        let call = self.begin(
-            Collective::AllReduceHalf {
-                op,
-                len: bucket.len(),
-                format,
-            },
-            timeout,
-        )?;
-        if self.world_size == 1 {
-            return Ok(());
-        }
-        reduce_widened(bucket, format, |wide| {
-            self.sum(&call, wide)?;
-            if op == ReduceOp::Avg {
-                let divisor = self.world_size as f32;
-                wide.iter_mut().for_each(|v| *v /= divisor);
-            }
-            Ok(())
-        })
-    }
-
     fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
         let call = self.begin(
             Collective::Broadcast {
@@ -603,6 +572,43 @@ impl ProcessGroup for MpiGroup {
 
     fn aborted(&self) -> Option<String> {
         lock(&self.aborted).clone()
+    }
+
+    fn native(&self) -> Option<&dyn Native> {
+        Some(self)
+    }
+}
+
+impl Native for MpiGroup {
+    /// Widened to `f32`, summed by MPI, then rounded to `format` at the end (MPI has no 16-bit float
+    /// type). [`TcpGroup`](super::TcpGroup) rounds at every hop of its ring instead, so with 3 or
+    /// more ranks the two can differ in the last bit; every rank still gets the same bits.
+    fn all_reduce_half(
+        &self,
+        bucket: &mut [u16],
+        format: HalfFloat,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let call = self.begin(
+            Collective::AllReduceHalf {
+                op,
+                len: bucket.len(),
+                format,
+            },
+            timeout,
+        )?;
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        reduce_widened(bucket, format, |wide| {
+            self.sum(&call, wide)?;
+            if op == ReduceOp::Avg {
+                let divisor = self.world_size as f32;
+                wide.iter_mut().for_each(|v| *v /= divisor);
+            }
+            Ok(())
+        })
     }
 }
 

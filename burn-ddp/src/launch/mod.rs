@@ -148,7 +148,7 @@ impl WorkerExit {
     }
 
     /// Whether it stopped after a stop signal, its checkpoint written (exit code
-    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE)).
+    /// [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE)).
     pub fn preempted(&self) -> bool {
         *self == WorkerExit::Code(crate::signals::PREEMPTED_EXIT_CODE)
     }
@@ -190,7 +190,7 @@ pub struct AttemptReport {
 
 impl AttemptReport {
     /// The local workers that stopped after a stop signal, their checkpoint written (exit code
-    /// [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE)).
+    /// [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE)).
     pub fn preempted(&self) -> Vec<usize> {
         self.workers
             .iter()
@@ -203,7 +203,7 @@ impl AttemptReport {
 /// Runs the job's local workers to completion, restarting the group up to `max_restarts` times.
 /// Returns every attempt's report when the last attempt succeeded.
 ///
-/// A worker that exits with [`PREEMPTED_EXIT_CODE`](crate::PREEMPTED_EXIT_CODE) stopped after a
+/// A worker that exits with [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE) stopped after a
 /// stop signal (burn-ddp workers checkpoint the step they reached first): that is not a failure,
 /// the launcher waits for the others and ends the job without restarting it. SIGINT, SIGTERM or
 /// SIGHUP to the launcher is passed to the workers as SIGTERM, with

@@ -1,39 +1,93 @@
-//! When the model's trained tensors change: adopting a new agreed layout (a layer frozen or
-//! unfrozen on every rank), and the `ModelChanged` error, the same on every rank, for any other
-//! change (each rank describes the first tensor where its model differs, gathered as text).
+//! The layout the ranks agreed on, and what happens when the model's trained tensors change:
+//! adopting a new agreed layout (a layer frozen or unfrozen on every rank), and the
+//! `ModelChanged` error, the same on every rank, for any other change (each rank describes the
+//! first tensor where its model differs, gathered as text).
 
 use std::time::Duration;
 
-use super::*;
+use super::gradients::numels;
+use super::layout::{BucketLayout, trainable};
+use super::link::Link;
+use crate::error::{DdpError, Result};
+use crate::group::ProcessGroup;
+use crate::replica::{LayoutFingerprints, ReplicaLayout, ReplicaView, TensorSpec};
 
-/// What the reducer noticed about the model before a multi-rank step.
+/// What the reducer noticed about the model before a step.
 pub(super) struct Changes {
-    pub(super) step: u64,
-    pub(super) structure_changed: bool,
-    pub(super) trainable_changed: bool,
+    /// The step's gradient synchronisation number.
+    pub step: u64,
+    /// The model's tensors themselves changed (added, removed, replaced).
+    pub structure_changed: bool,
+    /// Only which tensors are trainable changed.
+    pub trainable_changed: bool,
     /// This rank's new layout, when its trainable tensors changed.
-    pub(super) proposed: Option<ReplicaLayout>,
+    pub proposed: Option<ReplicaLayout>,
+    /// This rank's fingerprints now (adopted with `proposed`).
+    pub seen: LayoutFingerprints,
 }
 
-impl Reducer {
+/// The layout the ranks agreed on last (at start-up, or when the trainable tensors changed) and
+/// the buckets it gives.
+pub(super) struct Agreed {
+    pub replica: ReplicaLayout,
+    /// This rank's fingerprints of `replica`.
+    fingerprints: LayoutFingerprints,
+    /// The parameters reduced every step (`replica`'s trainable tensors, each id once).
+    pub params: Vec<TensorSpec>,
+    pub layout: BucketLayout,
+    first_cap_bytes: usize,
+    cap_bytes: usize,
+}
+
+impl Agreed {
+    /// `replica`'s trainable tensors in buckets of the given caps (bytes).
+    pub fn new(replica: &ReplicaLayout, first_cap_bytes: usize, cap_bytes: usize) -> Self {
+        let params = trainable(replica);
+        Self {
+            layout: BucketLayout::at_least_one(&numels(&params), first_cap_bytes, cap_bytes),
+            params,
+            fingerprints: replica.fingerprints(),
+            replica: replica.clone(),
+            first_cap_bytes,
+            cap_bytes,
+        }
+    }
+
+    /// How `replica` differs from the agreed layout at gradient synchronisation `step` (no
+    /// tensor data is read).
+    pub fn changes(&self, replica: &dyn ReplicaView, step: u64) -> Changes {
+        let seen = replica.fingerprints();
+        let structure_changed = seen.structure != self.fingerprints.structure;
+        let trainable_changed = !structure_changed && seen.trainable != self.fingerprints.trainable;
+        Changes {
+            step,
+            structure_changed,
+            trainable_changed,
+            proposed: trainable_changed.then(|| self.replica.with_trainable(&replica.scan())),
+            seen,
+        }
+    }
+
+    /// Buckets of `specs` with the agreed caps (the newly trainable tensors of a step).
+    pub fn buckets_of(&self, specs: &[TensorSpec]) -> BucketLayout {
+        BucketLayout::new(&numels(specs), self.first_cap_bytes, self.cap_bytes)
+    }
+
     /// Makes `layout` the agreed one: its trainable tensors are reduced from the next step on.
-    pub(super) fn adopt(
+    pub fn adopt(
         &mut self,
         layout: ReplicaLayout,
         fingerprints: LayoutFingerprints,
         step: u64,
+        rank: usize,
     ) {
-        self.params = trainable(&layout);
-        self.layout =
-            BucketLayout::at_least_one(&numels(&self.params), self.first_cap_bytes, self.cap_bytes);
-        self.agreed = layout;
-        self.agreed_fingerprints = fingerprints;
-        self.buffers.clear();
-        self.warned.clear();
+        *self = Self {
+            fingerprints,
+            ..Self::new(&layout, self.first_cap_bytes, self.cap_bytes)
+        };
         tracing::debug!(
-            "burn-ddp: rank {}: {} trainable tensor(s) in {} bucket(s) from gradient \
+            "burn-ddp: rank {rank}: {} trainable tensor(s) in {} bucket(s) from gradient \
              synchronisation #{step} on",
-            self.group.rank(),
             self.params.len(),
             self.layout.buckets().len()
         );
@@ -43,25 +97,26 @@ impl Reducer {
     /// it does not train), the same on every rank: every rank reports where its model first
     /// differs from the agreed layout (one all-gather), and each names that tensor as its own
     /// model has it. `unknown`: this rank's gradients that belong to no tensor it trains.
-    pub(super) fn structure_error(
+    pub fn structure_error(
         &self,
+        link: &Link,
         step: u64,
         replica: &dyn ReplicaView,
         unknown: usize,
     ) -> Result<DdpError> {
-        let rank = self.group.rank();
+        let rank = link.group.rank();
         let now = replica.scan();
-        let mine = first_difference(&self.agreed, &now);
+        let mine = first_difference(&self.replica, &now);
         // Each rank describes its own change: only the rank that changed knows its new tensors.
         let described = mine
-            .map(|index| describe_change(&self.agreed, &now, index))
+            .map(|index| describe_change(&self.replica, &now, index))
             .unwrap_or_default();
         let words = [mine.map_or(0, |i| i as u64 + 1), unknown as u64];
-        let (all, descriptions) = if self.group.world_size() == 1 {
+        let (all, descriptions) = if link.group.world_size() == 1 {
             (words.to_vec(), vec![described])
         } else {
-            let all = self.group.all_gather(&words, self.timeout)?;
-            let descriptions = gather_text(self.group.as_ref(), &described, self.timeout)?;
+            let all = link.group.all_gather(&words, link.timeout)?;
+            let descriptions = gather_text(link.group.as_ref(), &described, link.timeout)?;
             (all, descriptions)
         };
         let reports: Vec<(usize, Option<usize>, usize)> = all

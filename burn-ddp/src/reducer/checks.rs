@@ -4,7 +4,7 @@
 //! the decision is taken here, from values that are the same on every rank, so every rank takes
 //! the same one.
 
-use super::ReduceOptions;
+use super::options::ReduceOptions;
 
 /// What the reduced gradients of one step look like, summed over their buckets in bucket order.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -11,17 +11,21 @@
 //! deterministic, so these inputs are averaged across ranks (a tiny host all-reduce) before the
 //! verdict, and every rank decides the same.
 
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
 
+use super::checks::Observed;
 use super::compress::{Fallback, GradientCompression, Wire, choose_wire, from_wire, to_wire};
+use super::gradients::{Work, register_shaped};
 use super::layout::BucketLayout;
-use super::{Control, Gradients, ReduceOptions, Reducer, register_shaped};
+use super::link::Link;
+use super::options::{Control, ReduceOptions};
 use crate::error::{DdpError, Result};
-use crate::group::ReduceOp;
+use crate::group::{ExtendedCollectives, ReduceOp};
 use crate::replica::TensorSpec;
 
 /// One phase's buckets after the all-reduce.
@@ -47,19 +51,43 @@ pub(super) struct DeviceRead {
     pub local_non_finite: bool,
 }
 
-impl Reducer {
-    /// All-reduces `taken` (per bucket of `layout`, per parameter: this rank's flat gradient) in
-    /// device buckets on `device`. `control` goes into the first bucket.
-    pub(super) fn reduce_device<B: Backend>(
+/// The device buckets of a reducer: the format on the wire, and the buckets whose compression
+/// fallback was already reported.
+pub(super) struct DeviceBuckets {
+    compression: GradientCompression,
+    warned: BTreeSet<usize>,
+}
+
+impl DeviceBuckets {
+    pub fn new(compression: GradientCompression) -> Self {
+        Self {
+            compression,
+            warned: BTreeSet::new(),
+        }
+    }
+
+    /// Forgets the warnings (the agreed layout changed: the buckets are new).
+    pub fn clear(&mut self) {
+        self.warned.clear();
+    }
+
+    /// All-reduces `work` in device buckets on `device`; the control words go into the first
+    /// bucket, after the flags.
+    pub fn reduce<B: Backend>(
         &mut self,
-        layout: &BucketLayout,
-        specs: &[TensorSpec],
-        taken: Gradients<B>,
-        control: Option<&Control>,
+        link: &mut Link,
+        work: Work<'_, B>,
         options: &ReduceOptions,
         device: &B::Device,
     ) -> Result<DevicePhase<B>> {
-        let world_size = self.group.world_size();
+        let Work {
+            layout,
+            specs,
+            taken,
+            control,
+            ..
+        } = work;
+        let world_size = link.group.world_size();
         let started = Instant::now();
         // This rank's buckets: weighted values (None for a bucket without parameters) and flags.
         let mut values: Vec<Option<Tensor<B, 1>>> = Vec::with_capacity(layout.buckets().len());
@@ -95,7 +123,7 @@ impl Reducer {
             values.push(bucket_values);
             flags.push(present);
         }
-        let wires = self.agree_wires(&values, options)?;
+        let wires = self.agree_wires(link, &values, options)?;
         let mut reduced = Vec::with_capacity(values.len());
         let divide = match options.op {
             ReduceOp::Avg => world_size as f32,
@@ -131,31 +159,31 @@ impl Reducer {
             let mut primitive = flat.into_primitive().tensor();
             flattened += started.elapsed();
             let reducing = Instant::now();
-            let done = self
+            let done = link
                 .group
-                .all_reduce_device(&mut primitive, wire_op, self.timeout)
+                .all_reduce_device(&mut primitive, wire_op, link.timeout)
                 .inspect_err(|err| {
                     // A rank that fails before NCCL starts (a buffer NCCL cannot take) must not
                     // leave its peers waiting in theirs.
-                    self.group.abort(&err.to_string());
+                    link.group.abort(&err.to_string());
                 })?;
             if !done {
-                return Err(self.fail_bucket(
+                return Err(link.fail_bucket(
                     bucket_index,
                     format!(
                         "the {} process group reduces device tensors, but not this backend's; \
                          use CUDA devices with it",
-                        self.group.backend()
+                        link.group.backend()
                     ),
                 ));
             }
             let on_wire = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(primitive));
             reduced.push(from_wire(on_wire, wire, numel));
-            self.stats.all_reduce += reducing.elapsed();
-            self.stats.buckets += 1;
-            self.stats.bytes += (numel + count) * element_bytes;
+            link.stats.all_reduce += reducing.elapsed();
+            link.stats.buckets += 1;
+            link.stats.bytes += (numel + count) * element_bytes;
         }
-        self.stats.flatten += flattened;
+        link.stats.flatten += flattened;
         Ok(DevicePhase {
             reduced,
             local_probes,
@@ -168,13 +196,14 @@ impl Reducer {
     /// bucket) and [`choose_wire`] decides.
     fn agree_wires<B: Backend>(
         &mut self,
+        link: &mut Link,
         values: &[Option<Tensor<B, 1>>],
         options: &ReduceOptions,
     ) -> Result<Vec<Wire>> {
         if self.compression == GradientCompression::None {
             return Ok(vec![Wire::F32; values.len()]);
         }
-        let rank = self.group.rank();
+        let rank = link.group.rank();
         let mut stats: Vec<Tensor<B, 1>> = Vec::new();
         for v in values.iter().flatten() {
             let magnitude = v.clone().abs();
@@ -196,10 +225,10 @@ impl Reducer {
                 })?
         };
         let bits: Vec<u64> = local.iter().map(|v| u64::from(v.to_bits())).collect();
-        let all = self.group.all_gather(&bits, self.timeout)?;
+        let all = link.group.all_gather(&bits, link.timeout)?;
         let per_rank = bits.len();
         let value = |r: usize, i: usize| f32::from_bits(all[r * per_rank + i] as u32);
-        let ranks = self.group.world_size();
+        let ranks = link.group.world_size();
         let mut wires = Vec::with_capacity(values.len());
         let mut at = 0;
         for (bucket_index, v) in values.iter().enumerate() {
@@ -226,7 +255,7 @@ impl Reducer {
                 Ok(wire) => wire,
                 Err(Fallback::NonFinite) => Wire::F32,
                 Err(Fallback::Range) => {
-                    self.stats.uncompressed_buckets += 1;
+                    link.stats.uncompressed_buckets += 1;
                     let (mine_max, mine_min) = (local[at], local[at + 1]);
                     // The ranks that hold an extreme name themselves, once per bucket.
                     if (mine_min == min || mine_max == max) && self.warned.insert(bucket_index) {
@@ -362,14 +391,10 @@ impl<B: Backend> DevicePhase<B> {
     }
 }
 
-/// The [`Observed`](super::checks::Observed) of averaged device checks: per bucket the NaN
+/// The [`Observed`] of averaged device checks: per bucket the NaN
 /// probe, then per bucket `(max, scaled sum of squares)`.
-pub(super) fn observe_device(
-    checks: &[f32],
-    buckets: usize,
-    options: &ReduceOptions,
-) -> super::checks::Observed {
-    let mut observed = super::checks::Observed::default();
+pub(super) fn observe_device(checks: &[f32], buckets: usize, options: &ReduceOptions) -> Observed {
+    let mut observed = Observed::default();
     let mut rest = checks;
     if options.check_finite {
         let (sums, after) = rest.split_at(buckets.min(rest.len()));

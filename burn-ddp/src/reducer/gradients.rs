@@ -5,7 +5,25 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use super::layout::BucketLayout;
+use super::link::Link;
+use super::options::Control;
+use crate::error::Result;
 use crate::replica::TensorSpec;
+
+/// Per bucket, per parameter of the bucket: this rank's flattened gradient, if it has one.
+pub(super) type Gradients<B> = Vec<Vec<Option<Tensor<B, 1>>>>;
+
+/// What a phase reduces: its buckets, their parameters, and this rank's gradients of them.
+pub(super) struct Work<'a, B: Backend> {
+    pub layout: &'a BucketLayout,
+    pub specs: &'a [TensorSpec],
+    pub taken: Gradients<B>,
+    /// `layout` is the agreed one (its host buffers are reused across steps).
+    pub agreed: bool,
+    /// The control words, in the first bucket (the step's first phase only).
+    pub control: Option<&'a Control>,
+}
 
 /// Runs `$body` with `$D` bound to the const dimension `$ndims` (1 to 8).
 macro_rules! with_dims {
@@ -71,4 +89,41 @@ pub(super) fn register_shaped<B: Backend>(
     }, else {
         // `take_flat` rejected this parameter before, so the bucket never holds it.
     })
+}
+
+/// Removes `specs`' gradients from `grads`, flattened, per bucket of `layout`.
+///
+/// # Errors
+/// [`DdpError::Bucket`](crate::error::DdpError::Bucket) (after aborting the group) when a
+/// gradient's shape differs from its parameter's, or it has more than 8 dimensions.
+pub(super) fn take<B: Backend>(
+    link: &Link,
+    grads: &mut GradientsParams,
+    specs: &[TensorSpec],
+    layout: &BucketLayout,
+) -> Result<Gradients<B>> {
+    layout
+        .buckets()
+        .iter()
+        .enumerate()
+        .map(|(bucket_index, bucket)| {
+            bucket
+                .params
+                .iter()
+                .map(|&p| {
+                    take_flat::<B>(grads, &specs[p])
+                        .map_err(|detail| link.fail_bucket(bucket_index, detail))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Per bucket of `layout`, per parameter: no gradient (a rank that contributes nothing).
+pub(super) fn none<B: Backend>(layout: &BucketLayout) -> Gradients<B> {
+    layout
+        .buckets()
+        .iter()
+        .map(|b| b.params.iter().map(|_| None).collect())
+        .collect()
 }

@@ -8,6 +8,7 @@
 //! more than the all-reduce itself (`cargo xtask bench`, bucket sweep). On backends whose
 //! `into_data` and `from_data` move the storage (Flex, NdArray), a step allocates nothing.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::optim::GradientsParams;
@@ -15,15 +16,27 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::checks::{Observed, observe_host};
+use super::gradients::{Gradients, Work, register_shaped};
 use super::layout::BucketLayout;
-use super::{Control, Gradients, ReduceOptions, Reducer, register_shaped};
+use super::link::Link;
+use super::options::{Control, ReduceOptions};
 use crate::error::{DdpError, Result};
-use crate::hooks::{HookReport, HostBucket};
+use crate::hooks::{CommHook, HookReport, HostBucket};
 use crate::replica::TensorSpec;
 
-/// One phase's buckets after the reduction.
+/// The host buckets of a reducer: the hook that reduces them, and the agreed layout's buffers.
+pub(super) struct HostBuckets {
+    /// How host buckets are reduced.
+    hook: Arc<dyn CommHook>,
+    /// One buffer per bucket of the agreed layout (gradients, presence flags, control words),
+    /// allocated at the first multi-rank step and reused: `4 * (numel + params)` bytes each, plus
+    /// the control words.
+    buffers: Vec<Vec<f32>>,
+}
+
+/// One phase's buckets, flattened and then reduced.
 pub(super) struct HostPhase {
-    /// Per bucket: reduced values; the first bucket then holds the flags and control words.
+    /// Per bucket: values; the first bucket then holds the flags and control words.
     pub buffers: Vec<Vec<f32>>,
     /// Per bucket and parameter: this rank's gradient storage, refilled with the reduced values.
     datas: Vec<Vec<Option<TensorData>>>,
@@ -52,135 +65,181 @@ impl Tail {
     }
 }
 
-impl Reducer {
-    /// Reduces `taken` (per bucket of `layout`, per parameter: this rank's flat gradient) in
-    /// host buckets with the reducer's hook, reusing `buffers` when their sizes fit. `control`
-    /// goes into the first bucket, after the flags.
-    pub(super) fn reduce_host<B: Backend>(
+impl HostBuckets {
+    pub fn new(hook: Arc<dyn CommHook>) -> Self {
+        Self {
+            hook,
+            buffers: Vec::new(),
+        }
+    }
+
+    /// Forgets the buffers (the agreed layout changed).
+    pub fn clear(&mut self) {
+        self.buffers.clear();
+    }
+
+    /// Keeps `buffers` for the next step of the agreed layout.
+    pub fn keep(&mut self, buffers: Vec<Vec<f32>>) {
+        self.buffers = buffers;
+    }
+
+    /// Reduces `work` with the hook: the agreed layout's buffers are reused when their sizes fit
+    /// (another layout's phase gets buffers of its own); the control words go into the first
+    /// bucket, after the flags.
+    pub fn reduce<B: Backend>(
         &mut self,
-        layout: &BucketLayout,
-        specs: &[TensorSpec],
-        taken: Gradients<B>,
-        mut buffers: Vec<Vec<f32>>,
-        control: Option<&Control>,
+        link: &mut Link,
+        work: Work<'_, B>,
         options: &ReduceOptions,
     ) -> Result<HostPhase> {
         let started = Instant::now();
-        let tail = Tail::of(layout);
-        let control_len = control.map_or(0, |c| c.len());
-        let sizes: Vec<usize> = layout
-            .buckets()
-            .iter()
-            .enumerate()
-            .map(|(i, b)| b.numel + if i == 0 { tail.count + control_len } else { 0 })
-            .collect();
-        if buffers.len() != sizes.len() || buffers.iter().zip(&sizes).any(|(b, &s)| b.len() != s) {
-            buffers = sizes.iter().map(|&s| vec![0.0; s]).collect();
-        }
-        let mut local_non_finite = false;
-        let mut datas = Vec::with_capacity(sizes.len());
-        let mut flag = tail.flags;
-        for (bucket_index, (bucket, grads)) in layout.buckets().iter().zip(taken).enumerate() {
-            let mut bucket_datas = Vec::with_capacity(bucket.params.len());
-            for (j, (&p, grad)) in bucket.params.iter().zip(grads).enumerate() {
-                let spec = &specs[p];
-                let range = bucket.offsets[j]..bucket.offsets[j] + spec.numel();
-                let (present, data) = match grad {
-                    Some(grad) => {
-                        let data = grad.into_data().convert::<f32>();
-                        let values = data.as_slice::<f32>().map_err(|e| {
-                            self.fail_bucket(
-                                bucket_index,
-                                format!(
-                                    "gradient of `{}` is not readable as f32: {e:?}",
-                                    spec.path
-                                ),
-                            )
-                        })?;
-                        if values.len() != range.len() {
-                            return Err(self.fail_bucket(
-                                bucket_index,
-                                format!(
-                                    "gradient of `{}` has {} values, the parameter {}",
-                                    spec.path,
-                                    values.len(),
-                                    range.len()
-                                ),
-                            ));
-                        }
-                        buffers[bucket_index][range].copy_from_slice(values);
-                        (1.0, Some(data))
-                    }
-                    None => {
-                        buffers[bucket_index][range].fill(0.0);
-                        (0.0, None)
-                    }
-                };
-                buffers[0][flag] = present;
-                flag += 1;
-                bucket_datas.push(data);
-            }
-            let values = &mut buffers[bucket_index][..bucket.numel];
-            if options.check_finite {
-                local_non_finite |= values.iter().any(|v| !v.is_finite());
-            }
-            if options.weight != 1.0 {
-                values.iter_mut().for_each(|v| *v *= options.weight);
-            }
-            datas.push(bucket_datas);
-        }
-        if let Some(control) = control {
-            let at = tail.control();
-            buffers[0][at..at + control_len].copy_from_slice(&control.words());
-        }
+        let Work {
+            layout,
+            specs,
+            taken,
+            agreed,
+            control,
+        } = work;
+        let buffers = if agreed {
+            std::mem::take(&mut self.buffers)
+        } else {
+            Vec::new()
+        };
+        let mut phase = flatten(link, layout, specs, taken, buffers, control, options)?;
         let flattened = Instant::now();
+        let report = self.run_hook(link, layout, &mut phase.buffers, options)?;
+        link.stats.flatten += flattened - started;
+        link.stats.all_reduce += flattened.elapsed();
+        link.stats.buckets += layout.buckets().len() as u64;
+        link.stats.bytes += report.bytes;
+        link.stats.uncompressed_buckets += report.uncompressed_buckets;
+        Ok(phase)
+    }
+
+    /// Runs the hook over the flattened `buffers`; the reducer reduces the first bucket's
+    /// bookkeeping itself, exactly, when the hook does not.
+    fn run_hook(
+        &self,
+        link: &Link,
+        layout: &BucketLayout,
+        buffers: &mut [Vec<f32>],
+        options: &ReduceOptions,
+    ) -> Result<HookReport> {
         let mut report = HookReport::default();
-        {
-            let hook = self.hook.clone();
-            // A hook that does not reduce the bookkeeping sees the gradients only; the reducer
-            // reduces the first bucket's bookkeeping itself, exactly.
-            let whole = hook.reduces_bookkeeping();
-            let mut buckets: Vec<HostBucket<'_>> = buffers
-                .iter_mut()
-                .zip(layout.buckets())
-                .enumerate()
-                .map(|(index, (buffer, bucket))| HostBucket {
-                    index,
-                    buffer: if whole {
-                        &mut buffer[..]
-                    } else {
-                        &mut buffer[..bucket.numel]
-                    },
-                    gradients: bucket.numel,
-                })
-                .collect();
-            hook.reduce(
-                self.group.as_ref(),
-                &mut buckets,
-                options.op,
-                self.timeout,
-                &mut report,
-            )?;
-            drop(buckets);
-            if !whole && let Some(first) = buffers.first_mut() {
-                let tail = &mut first[tail.flags..];
-                if !tail.is_empty() {
-                    self.group.all_reduce(tail, options.op, self.timeout)?;
-                    report.bytes += tail.len() * 4;
-                }
+        let whole = self.hook.reduces_bookkeeping();
+        let mut buckets: Vec<HostBucket<'_>> = buffers
+            .iter_mut()
+            .zip(layout.buckets())
+            .enumerate()
+            .map(|(index, (buffer, bucket))| HostBucket {
+                index,
+                buffer: if whole {
+                    &mut buffer[..]
+                } else {
+                    &mut buffer[..bucket.numel]
+                },
+                gradients: bucket.numel,
+            })
+            .collect();
+        self.hook.reduce(
+            link.group.as_ref(),
+            &mut buckets,
+            options.op,
+            link.timeout,
+            &mut report,
+        )?;
+        drop(buckets);
+        if !whole && let Some(first) = buffers.first_mut() {
+            let tail = &mut first[Tail::of(layout).flags..];
+            if !tail.is_empty() {
+                link.group.all_reduce(tail, options.op, link.timeout)?;
+                report.bytes += tail.len() * 4;
             }
         }
-        self.stats.flatten += flattened - started;
-        self.stats.all_reduce += flattened.elapsed();
-        self.stats.buckets += layout.buckets().len() as u64;
-        self.stats.bytes += report.bytes;
-        self.stats.uncompressed_buckets += report.uncompressed_buckets;
-        Ok(HostPhase {
-            buffers,
-            datas,
-            local_non_finite,
-        })
+        Ok(report)
     }
+}
+
+/// This rank's buckets, not yet reduced: `taken` copied into `buffers` (reused when their sizes
+/// fit), weighted, with the presence flags and `control` in the first bucket.
+fn flatten<B: Backend>(
+    link: &Link,
+    layout: &BucketLayout,
+    specs: &[TensorSpec],
+    taken: Gradients<B>,
+    mut buffers: Vec<Vec<f32>>,
+    control: Option<&Control>,
+    options: &ReduceOptions,
+) -> Result<HostPhase> {
+    let tail = Tail::of(layout);
+    let control_len = control.map_or(0, |c| c.len());
+    let sizes: Vec<usize> = layout
+        .buckets()
+        .iter()
+        .enumerate()
+        .map(|(i, b)| b.numel + if i == 0 { tail.count + control_len } else { 0 })
+        .collect();
+    if buffers.len() != sizes.len() || buffers.iter().zip(&sizes).any(|(b, &s)| b.len() != s) {
+        buffers = sizes.iter().map(|&s| vec![0.0; s]).collect();
+    }
+    let mut local_non_finite = false;
+    let mut datas = Vec::with_capacity(sizes.len());
+    let mut flag = tail.flags;
+    for (bucket_index, (bucket, grads)) in layout.buckets().iter().zip(taken).enumerate() {
+        let mut bucket_datas = Vec::with_capacity(bucket.params.len());
+        for (j, (&p, grad)) in bucket.params.iter().zip(grads).enumerate() {
+            let spec = &specs[p];
+            let range = bucket.offsets[j]..bucket.offsets[j] + spec.numel();
+            let (present, data) = match grad {
+                Some(grad) => {
+                    let data = grad.into_data().convert::<f32>();
+                    let values = data.as_slice::<f32>().map_err(|e| {
+                        link.fail_bucket(
+                            bucket_index,
+                            format!("gradient of `{}` is not readable as f32: {e:?}", spec.path),
+                        )
+                    })?;
+                    if values.len() != range.len() {
+                        return Err(link.fail_bucket(
+                            bucket_index,
+                            format!(
+                                "gradient of `{}` has {} values, the parameter {}",
+                                spec.path,
+                                values.len(),
+                                range.len()
+                            ),
+                        ));
+                    }
+                    buffers[bucket_index][range].copy_from_slice(values);
+                    (1.0, Some(data))
+                }
+                None => {
+                    buffers[bucket_index][range].fill(0.0);
+                    (0.0, None)
+                }
+            };
+            buffers[0][flag] = present;
+            flag += 1;
+            bucket_datas.push(data);
+        }
+        let values = &mut buffers[bucket_index][..bucket.numel];
+        if options.check_finite {
+            local_non_finite |= values.iter().any(|v| !v.is_finite());
+        }
+        if options.weight != 1.0 {
+            values.iter_mut().for_each(|v| *v *= options.weight);
+        }
+        datas.push(bucket_datas);
+    }
+    if let Some(control) = control {
+        let at = tail.control();
+        buffers[0][at..at + control_len].copy_from_slice(&control.words());
+    }
+    Ok(HostPhase {
+        buffers,
+        datas,
+        local_non_finite,
+    })
 }
 
 impl HostPhase {

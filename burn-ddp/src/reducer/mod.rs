@@ -34,21 +34,22 @@
 
 mod changes;
 mod checks;
-use changes::Changes;
 pub mod compress;
 mod device;
 mod gradients;
 mod host;
 pub mod layout;
+mod link;
 mod options;
+mod phase;
 
 pub use compress::GradientCompression;
 pub use layout::{Bucket, BucketLayout};
 pub use options::{ReduceOptions, ReduceOutcome};
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
@@ -56,46 +57,54 @@ use burn::tensor::backend::Backend;
 
 use crate::config::DdpConfig;
 use crate::error::{DdpError, Result};
-use crate::group::{HalfFloat, ProcessGroup, ReduceOp};
+use crate::group::{ExtendedCollectives, HalfFloat, ProcessGroup};
 use crate::hooks::CommHook;
 use crate::metrics::CommStats;
-use crate::replica::{LayoutFingerprints, ReplicaLayout, ReplicaView, TensorSpec};
+use crate::replica::{ReplicaLayout, ReplicaView, TensorSpec};
+use changes::{Agreed, Changes};
 use checks::{Observed, Verdict};
-use device::{DevicePhase, DeviceRead, observe_device};
-use gradients::{has_gradient, numels, register_shaped, take_flat, with_dims};
-use host::HostPhase;
+use device::DeviceBuckets;
+use gradients::Work;
+use gradients::{has_gradient, take_flat, with_dims};
+use host::HostBuckets;
 use layout::trainable;
+use link::Link;
 use options::Control;
-
-/// Per bucket, per parameter of the bucket: this rank's flattened gradient, if it has one.
-type Gradients<B> = Vec<Vec<Option<Tensor<B, 1>>>>;
+use phase::{Buckets, Phase};
 
 /// Averages gradients across the ranks of a process group.
 ///
 /// Build one per replica with [`Reducer::new`] (every rank at the same time: it checks that the
 /// replicas match), then call [`Reducer::reduce`] once per optimizer step.
+///
+/// It coordinates three parts that own their state: the process group and counters (`Link`),
+/// the layout the ranks agreed on (`Agreed`), and the buckets that reduce on the host or on the
+/// device (`Buckets`).
 pub struct Reducer {
-    group: Arc<dyn ProcessGroup>,
-    timeout: Duration,
-    stats: CommStats,
-    /// The dtype of device buckets on the wire.
-    compression: GradientCompression,
-    first_cap_bytes: usize,
-    cap_bytes: usize,
-    /// The layout the ranks agreed on last (at start-up, or when the trainable tensors changed).
-    agreed: ReplicaLayout,
-    /// This rank's fingerprints of `agreed`.
-    agreed_fingerprints: LayoutFingerprints,
-    /// The parameters reduced every step (`agreed`'s trainable tensors, each id once).
-    params: Vec<TensorSpec>,
+    link: Link,
+    agreed: Agreed,
+    buckets: Buckets,
+}
+
+/// The second phase of a step: the tensors trainable since the agreed layout, reduced in buckets
+/// of their own; the layout to adopt after the step.
+struct NewlyTrainable<B: Backend> {
     layout: BucketLayout,
-    /// One host buffer per bucket (gradients, presence flags, control words), allocated at the
-    /// first multi-rank step and reused: `4 * (numel + params)` bytes each, plus the control words.
-    buffers: Vec<Vec<f32>>,
-    /// Buckets whose compression fallback was already reported (device buckets).
-    warned: BTreeSet<usize>,
-    /// How host buckets are reduced.
-    hook: Arc<dyn CommHook>,
+    specs: Vec<TensorSpec>,
+    phase: Phase<B>,
+    adopted: ReplicaLayout,
+}
+
+/// This rank's contribution to a multi-rank step, taken out of its gradients.
+struct Taken<B: Backend> {
+    /// The agreed parameters' gradients, per bucket.
+    agreed: gradients::Gradients<B>,
+    /// The gradients of the tensors this rank made trainable since the agreed layout.
+    extra: HashMap<usize, Option<Tensor<B, 1>>>,
+    /// Gradients that belong to no tensor this rank's model trains.
+    unknown: usize,
+    /// The control words of the first bucket.
+    control: Control,
 }
 
 impl Reducer {
@@ -115,61 +124,59 @@ impl Reducer {
         // alike; the abort covers a peer that does not.
         let hook = hook_for(config, group.as_ref()).inspect_err(|e| group.abort(&e.to_string()))?;
         replica.verify_across(group.as_ref(), config.timeout())?;
-        let params = trainable(replica);
-        let layout = BucketLayout::at_least_one(
-            &numels(&params),
-            config.first_bucket_cap_bytes(),
-            config.bucket_cap_bytes(),
-        );
+        let buckets = if group.reduces_device_tensors() {
+            Buckets::Device(DeviceBuckets::new(config.gradient_compression()))
+        } else {
+            Buckets::Host(HostBuckets::new(hook))
+        };
         Ok(Self {
-            group,
-            timeout: config.timeout(),
-            stats: CommStats::default(),
-            compression: config.gradient_compression(),
-            first_cap_bytes: config.first_bucket_cap_bytes(),
-            cap_bytes: config.bucket_cap_bytes(),
-            agreed_fingerprints: replica.fingerprints(),
-            agreed: replica.clone(),
-            params,
-            layout,
-            buffers: Vec::new(),
-            warned: BTreeSet::new(),
-            hook,
+            link: Link {
+                group,
+                timeout: config.timeout(),
+                stats: CommStats::default(),
+            },
+            agreed: Agreed::new(
+                replica,
+                config.first_bucket_cap_bytes(),
+                config.bucket_cap_bytes(),
+            ),
+            buckets,
         })
     }
 
     /// The bucket layout.
     pub fn layout(&self) -> &BucketLayout {
-        &self.layout
+        &self.agreed.layout
     }
 
     /// The parameters whose gradients are reduced, in registration order (a shared weight once).
     pub fn parameters(&self) -> &[TensorSpec] {
-        &self.params
+        &self.agreed.params
     }
 
     /// The replica layout the ranks agreed on last: at start-up, or at the step where their
     /// trainable tensors changed.
     pub fn replica(&self) -> &ReplicaLayout {
-        &self.agreed
+        &self.agreed.replica
     }
 
     /// Takes the last reduction out of the step count: it was the end-of-data check, not a
     /// gradient synchronisation.
     pub(crate) fn uncount_step(&mut self) {
-        self.stats.steps = self.stats.steps.saturating_sub(1);
-        let buckets = self.layout.buckets().len() as u64;
-        self.stats.buckets = self.stats.buckets.saturating_sub(buckets);
+        let stats = &mut self.link.stats;
+        stats.steps = stats.steps.saturating_sub(1);
+        let buckets = self.agreed.layout.buckets().len() as u64;
+        stats.buckets = stats.buckets.saturating_sub(buckets);
     }
 
     /// Communication counters since the reducer was built.
     pub fn stats(&self) -> &CommStats {
-        &self.stats
+        &self.link.stats
     }
 
     /// The process group.
     pub fn group(&self) -> &Arc<dyn ProcessGroup> {
-        &self.group
+        &self.link.group
     }
 
     /// Replaces every parameter's gradient in `grads` by its average over all ranks. `replica` is
@@ -214,254 +221,133 @@ impl Reducer {
         device: &B::Device,
         options: &ReduceOptions,
     ) -> Result<ReduceOutcome> {
-        let step = self.stats.steps;
-        self.stats.steps += 1;
-        let seen = replica.fingerprints();
-        let structure_changed = seen.structure != self.agreed_fingerprints.structure;
-        let trainable_changed =
-            !structure_changed && seen.trainable != self.agreed_fingerprints.trainable;
-        let proposed = trainable_changed.then(|| self.agreed.with_trainable(&replica.scan()));
-
-        if self.group.world_size() == 1
-            && options.weight == 1.0
-            && let Some(grads) = grads
-        {
-            // One rank: nothing to reduce, and no host copy of the gradients either.
-            if structure_changed {
-                return Err(self.structure_error(step, replica, 0)?);
+        let step = self.link.stats.steps;
+        self.link.stats.steps += 1;
+        let changes = self.agreed.changes(replica, step);
+        match grads {
+            Some(grads) if self.link.group.world_size() == 1 && options.weight == 1.0 => {
+                self.reduce_alone::<B>(replica, grads, changes, options)
             }
-            // As on several ranks: the gradients of the agreed trainable tensors and of those
-            // trainable since (a tensor frozen after the backward pass still has its gradient).
-            let mut known = self
-                .params
+            grads => {
+                let seen = changes.seen;
+                let (outcome, adopted) = self.reduce_step::<B>(
+                    replica,
+                    grads.unwrap_or_default(),
+                    changes,
+                    device,
+                    options,
+                )?;
+                if let Some(adopted) = adopted {
+                    self.adopt(adopted, seen, step);
+                }
+                Ok(outcome)
+            }
+        }
+    }
+
+    /// One rank: nothing to reduce, and no host copy of the gradients either; the changes of the
+    /// model are checked as on several ranks.
+    fn reduce_alone<B: Backend>(
+        &mut self,
+        replica: &dyn ReplicaView,
+        grads: GradientsParams,
+        changes: Changes,
+        options: &ReduceOptions,
+    ) -> Result<ReduceOutcome> {
+        let step = changes.step;
+        if changes.structure_changed {
+            return Err(self.agreed.structure_error(&self.link, step, replica, 0)?);
+        }
+        // As on several ranks: the gradients of the agreed trainable tensors and of those
+        // trainable since (a tensor frozen after the backward pass still has its gradient).
+        let mut known = self
+            .agreed
+            .params
+            .iter()
+            .filter(|spec| has_gradient::<B>(&grads, spec))
+            .count();
+        if let Some(proposed) = changes.proposed {
+            let before: HashSet<usize> = self.agreed.params.iter().map(|p| p.index).collect();
+            known += trainable(&proposed)
                 .iter()
-                .filter(|spec| has_gradient::<B>(&grads, spec))
+                .filter(|spec| !before.contains(&spec.index) && has_gradient::<B>(&grads, spec))
                 .count();
-            if let Some(proposed) = proposed {
-                let before: HashSet<usize> = self.params.iter().map(|p| p.index).collect();
-                known += trainable(&proposed)
-                    .iter()
-                    .filter(|spec| !before.contains(&spec.index) && has_gradient::<B>(&grads, spec))
-                    .count();
-                self.adopt(proposed, seen, step);
-            }
-            if known != grads.len() {
-                return Err(self.structure_error(step, replica, grads.len() - known)?);
-            }
-            let mut outcome = self.local_checks::<B>(grads, options);
-            outcome.words = options.words.clone();
-            return Ok(outcome);
+            self.adopt(proposed, changes.seen, step);
         }
-
-        // The agreed layout is moved out for the step (the paths borrow it), then put back.
-        let layout = std::mem::replace(&mut self.layout, BucketLayout::new(&[], 1, 1));
-        let params = std::mem::take(&mut self.params);
-        let changes = Changes {
-            step,
-            structure_changed,
-            trainable_changed,
-            proposed,
-        };
-        let result = self.reduce_step::<B>(
-            &layout,
-            &params,
-            replica,
-            grads.unwrap_or_default(),
-            changes,
-            device,
-            options,
-        );
-        self.layout = layout;
-        self.params = params;
-        let (outcome, adopted) = result?;
-        if let Some(adopted) = adopted {
-            self.adopt(adopted, seen, step);
+        if known != grads.len() {
+            return Err(self.agreed.structure_error(
+                &self.link,
+                step,
+                replica,
+                grads.len() - known,
+            )?);
         }
+        let mut outcome = self.local_checks::<B>(grads, options);
+        outcome.words = options.words.clone();
         Ok(outcome)
+    }
+
+    /// Makes `layout` the agreed one and forgets the buckets of the previous one.
+    fn adopt(
+        &mut self,
+        layout: ReplicaLayout,
+        fingerprints: crate::replica::LayoutFingerprints,
+        step: u64,
+    ) {
+        self.agreed
+            .adopt(layout, fingerprints, step, self.link.rank());
+        self.buckets.clear();
     }
 
     /// One multi-rank step: the agreed buckets (phase 1), then, when the ranks' trainable tensors
     /// changed together, the newly trainable tensors (phase 2); then the checks and the
     /// gradients. Returns the layout to adopt when the trainable tensors changed.
-    #[allow(clippy::too_many_arguments)]
     fn reduce_step<B: Backend>(
         &mut self,
-        layout: &BucketLayout,
-        params: &[TensorSpec],
         replica: &dyn ReplicaView,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
         changes: Changes,
         device: &B::Device,
         options: &ReduceOptions,
     ) -> Result<(ReduceOutcome, Option<ReplicaLayout>)> {
-        let rank = self.group.rank();
-        let taken = if changes.structure_changed {
-            // This rank's tensors no longer match the agreed layout (a gradient may not even fit
-            // its slot): contribute nothing, and let the structure word bring every rank to the
-            // same `ModelChanged` error below.
-            layout
-                .buckets()
-                .iter()
-                .map(|b| b.params.iter().map(|_| None).collect())
-                .collect()
-        } else {
-            self.take::<B>(&mut grads, params, layout)?
+        let Taken {
+            agreed: taken,
+            mut extra,
+            unknown,
+            control,
+        } = self.take::<B>(grads, &changes, options)?;
+        let Self {
+            link,
+            agreed,
+            buckets,
+        } = self;
+        let first_work = Work {
+            layout: &agreed.layout,
+            specs: &agreed.params,
+            taken,
+            agreed: true,
+            control: Some(&control),
         };
-        // This rank's gradients of the tensors it made trainable since the agreed layout.
-        let mut extra: HashMap<usize, Option<Tensor<B, 1>>> = HashMap::new();
-        if let Some(proposed) = &changes.proposed {
-            for spec in trainable(proposed) {
-                if !params.iter().any(|p| p.index == spec.index) {
-                    let grad = take_flat::<B>(&mut grads, &spec)
-                        .map_err(|detail| self.fail_bucket(0, detail))?;
-                    extra.insert(spec.index, grad);
-                }
-            }
-        }
-        // Whatever is left belongs to no tensor this rank's model trains.
-        let unknown = grads.len();
-        if options.words.len() > ReduceOptions::MAX_WORDS {
-            return Err(self.fail_bucket(
-                0,
-                format!(
-                    "{} words of the caller's, more than ReduceOptions::MAX_WORDS ({})",
-                    options.words.len(),
-                    ReduceOptions::MAX_WORDS
-                ),
-            ));
-        }
-        // Always the same number of words, whatever a rank passes: the buckets stay alike.
-        let mut words = options.words.clone();
-        words.resize(ReduceOptions::MAX_WORDS, 0.0);
-        let control = Control {
-            trainable_changed: f32::from(u8::from(changes.trainable_changed)),
-            structure_changed: f32::from(u8::from(changes.structure_changed || unknown > 0)),
-            words,
-        };
-        let on_device = self.group.reduces_device_tensors();
-
-        let first = if on_device {
-            let phase =
-                self.reduce_device::<B>(layout, params, taken, Some(&control), options, device)?;
-            let read = phase.read(layout, options, rank)?;
-            Phase::Device(phase, read)
-        } else {
-            let buffers = std::mem::take(&mut self.buffers);
-            Phase::Host(self.reduce_host::<B>(
-                layout,
-                params,
-                taken,
-                buffers,
-                Some(&control),
-                options,
-            )?)
-        };
+        let first = buckets.reduce::<B>(link, first_work, options, device)?;
         let mut reduced_control = first
-            .control(layout, ReduceOptions::MAX_WORDS)
+            .control(&agreed.layout, ReduceOptions::MAX_WORDS)
             .unwrap_or_default();
         reduced_control.words.truncate(options.words.len());
         if reduced_control.structure_changed > 0.0 {
-            return Err(self.structure_error(changes.step, replica, unknown)?);
+            return Err(agreed.structure_error(link, changes.step, replica, unknown)?);
         }
+        let second = if reduced_control.trainable_changed > 0.0 {
+            Some(newly_trainable::<B>(
+                link, agreed, buckets, changes, &mut extra, options, device,
+            )?)
+        } else {
+            None
+        };
 
-        let mut second: Option<(BucketLayout, Vec<TensorSpec>, Phase<B>)> = None;
-        let mut adopted = None;
-        if reduced_control.trainable_changed > 0.0 {
-            let proposal = changes.proposed.unwrap_or_else(|| self.agreed.clone());
-            proposal
-                .verify_across(self.group.as_ref(), self.timeout)
-                .map_err(|err| match err {
-                    DdpError::ReplicaMismatch { detail, .. } => DdpError::ModelChanged {
-                        rank,
-                        step: changes.step,
-                        detail: format!(
-                            "the ranks' trainable tensors changed differently (frozen or \
-                             unfrozen on some ranks only?): {detail}"
-                        ),
-                    },
-                    other => other,
-                })?;
-            let specs: Vec<TensorSpec> = trainable(&proposal)
-                .into_iter()
-                .filter(|spec| !params.iter().any(|p| p.index == spec.index))
-                .collect();
-            let extra_layout =
-                BucketLayout::new(&numels(&specs), self.first_cap_bytes, self.cap_bytes);
-            let taken: Gradients<B> = extra_layout
-                .buckets()
-                .iter()
-                .map(|b| {
-                    b.params
-                        .iter()
-                        .map(|&p| extra.remove(&specs[p].index).flatten())
-                        .collect()
-                })
-                .collect();
-            let phase = if on_device {
-                let phase =
-                    self.reduce_device::<B>(&extra_layout, &specs, taken, None, options, device)?;
-                let read = phase.read(&extra_layout, options, rank)?;
-                Phase::Device(phase, read)
-            } else {
-                Phase::Host(self.reduce_host::<B>(
-                    &extra_layout,
-                    &specs,
-                    taken,
-                    Vec::new(),
-                    None,
-                    options,
-                )?)
-            };
-            self.stats.layout_changes += 1;
-            tracing::info!(
-                "burn-ddp: rank {rank}: the trainable tensors changed on every rank at gradient \
-                 synchronisation #{}: {} tensor(s) more to reduce now, {} in all",
-                changes.step,
-                specs.len(),
-                trainable(&proposal).len()
-            );
-            second = Some((extra_layout, specs, phase));
-            adopted = Some(proposal);
-        }
-
-        // The checks, over both phases, in bucket order.
         let started = Instant::now();
-        let mut observed = Observed::default();
-        let mut local_non_finite = false;
-        let mut device_checks: Vec<(Vec<f32>, usize)> = Vec::new();
-        for (phase, phase_layout) in
-            std::iter::once((&first, layout)).chain(second.as_ref().map(|(l, _, p)| (p, l)))
-        {
-            match phase {
-                Phase::Host(host) => {
-                    let o = host.observe(phase_layout, options);
-                    observed.non_finite |= o.non_finite;
-                    observed.sum_of_squares += o.sum_of_squares;
-                    local_non_finite |= host.local_non_finite;
-                }
-                Phase::Device(_, read) => {
-                    device_checks.push((read.checks.clone(), phase_layout.buckets().len()));
-                    local_non_finite |= read.local_non_finite;
-                }
-            }
-        }
-        if !device_checks.is_empty() {
-            // Device reductions need not be deterministic: every rank decides on the average.
-            let mut all: Vec<f32> = device_checks.iter().flat_map(|(c, _)| c.clone()).collect();
-            if !all.is_empty() {
-                self.group
-                    .all_reduce(&mut all, ReduceOp::Avg, self.timeout)?;
-            }
-            let mut rest = all.as_slice();
-            for (checks, buckets) in &device_checks {
-                let (mine, after) = rest.split_at(checks.len());
-                let o = observe_device(mine, *buckets, options);
-                observed.non_finite |= o.non_finite;
-                observed.sum_of_squares += o.sum_of_squares;
-                rest = after;
-            }
-        }
-        let verdict = Verdict::of(observed, options);
+        let mut phases = vec![(&first, &agreed.layout)];
+        phases.extend(second.as_ref().map(|s| (&s.phase, &s.layout)));
+        let (verdict, local_non_finite) = phase::verdict(link, &phases, options)?;
         let mut outcome = ReduceOutcome {
             words: reduced_control.words,
             local_non_finite: options.check_finite && local_non_finite,
@@ -470,103 +356,93 @@ impl Reducer {
             clip_scale: verdict.clip_scale(),
             grads: GradientsParams::new(),
         };
-        let keep_buffers = adopted.is_none();
+        // The agreed buffers are kept for the next step unless the layout changes now.
+        let keep = second.is_none();
         if verdict.non_finite {
-            if let (Phase::Host(host), true) = (first, keep_buffers) {
-                self.buffers = host.buffers;
+            if keep {
+                buckets.keep(first);
             }
-            self.stats.unflatten += started.elapsed();
-            return Ok((outcome, adopted));
+            link.stats.unflatten += started.elapsed();
+            return Ok((outcome, second.map(|s| s.adopted)));
         }
-        let mut reduced = GradientsParams::new();
-        self.unflatten_phase::<B>(
-            first,
-            layout,
-            params,
-            &mut reduced,
-            &verdict,
-            device,
-            keep_buffers,
-        )?;
-        if let Some((extra_layout, specs, phase)) = second {
-            self.unflatten_phase::<B>(
-                phase,
-                &extra_layout,
-                &specs,
-                &mut reduced,
-                &verdict,
-                device,
-                false,
-            )?;
-        }
-        self.stats.unflatten += started.elapsed();
-        outcome.grads = reduced;
+        let work = (&agreed.layout, agreed.params.as_slice(), keep);
+        buckets.unflatten::<B>(link, first, work, &mut outcome.grads, verdict.scale, device)?;
+        let adopted = match second {
+            Some(s) => {
+                let work = (&s.layout, s.specs.as_slice(), false);
+                buckets.unflatten::<B>(
+                    link,
+                    s.phase,
+                    work,
+                    &mut outcome.grads,
+                    verdict.scale,
+                    device,
+                )?;
+                Some(s.adopted)
+            }
+            None => None,
+        };
+        link.stats.unflatten += started.elapsed();
         Ok((outcome, adopted))
     }
 
-    /// Writes one phase's reduced gradients into `grads`; keeps a host phase's buffers for the
-    /// next step when `keep`.
-    #[allow(clippy::too_many_arguments)]
-    fn unflatten_phase<B: Backend>(
-        &mut self,
-        phase: Phase<B>,
-        layout: &BucketLayout,
-        specs: &[TensorSpec],
-        grads: &mut GradientsParams,
-        verdict: &Verdict,
-        device: &B::Device,
-        keep: bool,
-    ) -> Result<()> {
-        match phase {
-            Phase::Host(host) => {
-                let rank = self.group.rank();
-                let buffers =
-                    host.unflatten::<B>(layout, specs, grads, verdict.scale, device, rank)?;
-                if keep {
-                    self.buffers = buffers;
-                }
-            }
-            Phase::Device(phase, read) => {
-                phase.unflatten(layout, specs, grads, &read.flags, verdict.scale);
-            }
-        }
-        Ok(())
-    }
-
-    /// Removes `specs`' gradients from `grads`, flattened, per bucket of `layout`.
+    /// Takes this rank's contribution out of `grads`: the agreed parameters' gradients (none
+    /// when the model's tensors changed), those of the tensors it made trainable since, and the
+    /// control words.
+    ///
+    /// # Errors
+    /// [`DdpError::Bucket`] (after aborting the group) for a gradient that does not fit its
+    /// parameter, or more than [`ReduceOptions::MAX_WORDS`] words of the caller's.
     fn take<B: Backend>(
         &self,
-        grads: &mut GradientsParams,
-        specs: &[TensorSpec],
-        layout: &BucketLayout,
-    ) -> Result<Gradients<B>> {
-        layout
-            .buckets()
-            .iter()
-            .enumerate()
-            .map(|(bucket_index, bucket)| {
-                bucket
-                    .params
-                    .iter()
-                    .map(|&p| {
-                        take_flat::<B>(grads, &specs[p])
-                            .map_err(|detail| self.fail_bucket(bucket_index, detail))
-                    })
-                    .collect()
-            })
-            .collect()
-    }
-
-    /// A [`DdpError::Bucket`] for this rank, after aborting the group: the peers must not wait
-    /// for this rank's all-reduce.
-    fn fail_bucket(&self, bucket: usize, detail: String) -> DdpError {
-        let err = DdpError::Bucket {
-            rank: self.group.rank(),
-            bucket,
-            detail,
+        mut grads: GradientsParams,
+        changes: &Changes,
+        options: &ReduceOptions,
+    ) -> Result<Taken<B>> {
+        let (link, agreed) = (&self.link, &self.agreed);
+        let taken = if changes.structure_changed {
+            // This rank's tensors no longer match the agreed layout (a gradient may not even fit
+            // its slot): contribute nothing, and let the structure word bring every rank to the
+            // same `ModelChanged` error.
+            gradients::none::<B>(&agreed.layout)
+        } else {
+            gradients::take::<B>(link, &mut grads, &agreed.params, &agreed.layout)?
         };
-        self.group.abort(&err.to_string());
-        err
+        let mut extra = HashMap::new();
+        if let Some(proposed) = &changes.proposed {
+            for spec in trainable(proposed) {
+                if !agreed.params.iter().any(|p| p.index == spec.index) {
+                    let grad = take_flat::<B>(&mut grads, &spec)
+                        .map_err(|detail| link.fail_bucket(0, detail))?;
+                    extra.insert(spec.index, grad);
+                }
+            }
+        }
+        if options.words.len() > ReduceOptions::MAX_WORDS {
+            return Err(link.fail_bucket(
+                0,
+                format!(
+                    "{} words of the caller's, more than ReduceOptions::MAX_WORDS ({})",
+                    options.words.len(),
+                    ReduceOptions::MAX_WORDS
+                ),
+            ));
+        }
+        // Whatever is left belongs to no tensor this rank's model trains.
+        let unknown = grads.len();
+        // Always the same number of words, whatever a rank passes: the buckets stay alike.
+        let mut words = options.words.clone();
+        words.resize(ReduceOptions::MAX_WORDS, 0.0);
+        Ok(Taken {
+            agreed: taken,
+            extra,
+            unknown,
+            control: Control {
+                trainable_changed: f32::from(u8::from(changes.trainable_changed)),
+                structure_changed: f32::from(u8::from(changes.structure_changed || unknown > 0)),
+                words,
+            },
+        })
     }
 
     /// The NaN/infinity check and clipping of [`reduce_with`](Self::reduce_with) for a world
@@ -577,12 +453,13 @@ impl Reducer {
         mut grads: GradientsParams,
         options: &ReduceOptions,
     ) -> ReduceOutcome {
+        let params = &self.agreed.params;
         if options.clip_norm.is_none() && !options.check_finite {
             return ReduceOutcome::plain(grads);
         }
         let squares = options.clip_norm.is_some();
-        let mut parts: Vec<Tensor<B, 1>> = Vec::with_capacity(self.params.len());
-        for spec in &self.params {
+        let mut parts: Vec<Tensor<B, 1>> = Vec::with_capacity(params.len());
+        for spec in params {
             let part: Option<Tensor<B, 1>> = with_dims!(spec.shape.len(), D => {
                 grads.get::<B, D>(spec.id).map(|g| {
                     let g = g.reshape([spec.numel()]);
@@ -615,7 +492,7 @@ impl Reducer {
         outcome.grad_norm = verdict.norm;
         outcome.clip_scale = verdict.clip_scale();
         if let Some(scale) = outcome.clip_scale {
-            for spec in &self.params {
+            for spec in params {
                 with_dims!(spec.shape.len(), D => {
                     if let Some(g) = grads.remove::<B, D>(spec.id) {
                         grads.register::<B, D>(spec.id, g.mul_scalar(scale));
@@ -628,20 +505,74 @@ impl Reducer {
     }
 }
 
-/// One phase's reduced buckets.
-enum Phase<B: Backend> {
-    Host(HostPhase),
-    Device(DevicePhase<B>, DeviceRead),
-}
-
-impl<B: Backend> Phase<B> {
-    /// The reduced control words, with `caller` words of the caller's.
-    fn control(&self, layout: &BucketLayout, caller: usize) -> Option<Control> {
-        match self {
-            Phase::Host(host) => host.control(layout, caller),
-            Phase::Device(_, read) => read.control.clone(),
-        }
-    }
+/// Phase 2 of a step whose trainable tensors changed on every rank: the ranks compare their new
+/// layouts, and the tensors trainable since the agreed layout are reduced in buckets of their
+/// own (this rank's gradients of them in `extra`).
+///
+/// # Errors
+/// [`DdpError::ModelChanged`] when the ranks' trainable tensors changed differently; the
+/// collectives' errors.
+fn newly_trainable<B: Backend>(
+    link: &mut Link,
+    agreed: &Agreed,
+    buckets: &mut Buckets,
+    changes: Changes,
+    extra: &mut HashMap<usize, Option<Tensor<B, 1>>>,
+    options: &ReduceOptions,
+    device: &B::Device,
+) -> Result<NewlyTrainable<B>> {
+    let rank = link.rank();
+    let proposal = changes.proposed.unwrap_or_else(|| agreed.replica.clone());
+    proposal
+        .verify_across(link.group.as_ref(), link.timeout)
+        .map_err(|err| match err {
+            DdpError::ReplicaMismatch { detail, .. } => DdpError::ModelChanged {
+                rank,
+                step: changes.step,
+                detail: format!(
+                    "the ranks' trainable tensors changed differently (frozen or unfrozen on \
+                     some ranks only?): {detail}"
+                ),
+            },
+            other => other,
+        })?;
+    let specs: Vec<TensorSpec> = trainable(&proposal)
+        .into_iter()
+        .filter(|spec| !agreed.params.iter().any(|p| p.index == spec.index))
+        .collect();
+    let layout = agreed.buckets_of(&specs);
+    let taken = layout
+        .buckets()
+        .iter()
+        .map(|b| {
+            b.params
+                .iter()
+                .map(|&p| extra.remove(&specs[p].index).flatten())
+                .collect()
+        })
+        .collect();
+    let work = Work {
+        layout: &layout,
+        specs: &specs,
+        taken,
+        agreed: false,
+        control: None,
+    };
+    let phase = buckets.reduce::<B>(link, work, options, device)?;
+    link.stats.layout_changes += 1;
+    tracing::info!(
+        "burn-ddp: rank {rank}: the trainable tensors changed on every rank at gradient \
+         synchronisation #{}: {} tensor(s) more to reduce now, {} in all",
+        changes.step,
+        specs.len(),
+        trainable(&proposal).len()
+    );
+    Ok(NewlyTrainable {
+        layout,
+        specs,
+        phase,
+        adopted: proposal,
+    })
 }
 
 /// The hook a configuration asks for, checked against `group`: a user's, compression, or the
@@ -674,10 +605,12 @@ fn hook_for(config: &DdpConfig, group: &dyn ProcessGroup) -> Result<Arc<dyn Comm
 mod tests {
     use super::*;
     use crate::group::ThreadGroup;
+    use crate::group::{Native, ReduceOp};
     use crate::replica::Replica;
     use burn::backend::NdArray;
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::{TensorData, TensorPrimitive};
+    use std::time::Duration;
 
     type B = NdArray;
     /// Parameters are the tensors that require gradients: those of an autodiff module.
@@ -789,9 +722,17 @@ mod tests {
         fn abort(&self, reason: &str) {
             self.0.abort(reason)
         }
+
+        fn native(&self) -> Option<&dyn Native> {
+            Some(self)
+        }
+    }
+
+    impl Native for DeviceStaged {
         fn reduces_device_tensors(&self) -> bool {
             true
         }
+
         fn all_reduce_device(
             &self,
             tensor: &mut dyn std::any::Any,

@@ -110,7 +110,7 @@ const ABSENT: u64 = u64::MAX;
 
 /// Two hashes of a module's float tensors, cheap to take every step (no tensor data is read):
 /// `structure` covers their number, shapes, element sizes and ids; `trainable` which of them
-/// require gradients. The [`Reducer`](crate::advanced::Reducer) compares them with the layout the ranks
+/// require gradients. The [`Reducer`](crate::mechanism::Reducer) compares them with the layout the ranks
 /// agreed on to notice layers frozen, unfrozen, added or replaced during training.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayoutFingerprints {
@@ -355,7 +355,7 @@ impl Hashes {
     }
 }
 
-/// A model as the [`Reducer`](crate::advanced::Reducer) looks at it every step: its
+/// A model as the [`Reducer`](crate::mechanism::Reducer) looks at it every step: its
 /// [fingerprints](LayoutFingerprints), and its tensors when they changed.
 pub trait ReplicaView {
     /// The model's [`LayoutFingerprints`] now.
@@ -364,7 +364,7 @@ pub trait ReplicaView {
     fn scan(&self) -> ReplicaLayout;
 }
 
-/// A layout as a model that never changes (for driving a [`Reducer`](crate::advanced::Reducer) without a
+/// A layout as a model that never changes (for driving a [`Reducer`](crate::mechanism::Reducer) without a
 /// module, e.g. in benchmarks).
 impl ReplicaView for ReplicaLayout {
     fn fingerprints(&self) -> LayoutFingerprints {

@@ -3,7 +3,7 @@
 //! One worker thread per device, each with its own replica (a clone of the learner: model,
 //! optimizer, LR scheduler) and its own shard of the training set. Each step every replica runs
 //! forward and backward on its batch, the gradients are averaged across replicas by the
-//! [`Reducer`](crate::advanced::Reducer), and every replica applies the same optimizer step, so the replicas
+//! [`Reducer`](crate::mechanism::Reducer), and every replica applies the same optimizer step, so the replicas
 //! stay bit-identical. Rank 0 alone drives burn-train's events (progress, metrics), writes
 //! checkpoints and decides early stopping; the other ranks send it their outputs (training and
 //! their shard of validation), so the metrics cover the global batch and the whole validation set.
@@ -139,7 +139,7 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// single-device training data-parallel in either mode.
     ///
     /// - No launcher variables (`RANK`/`WORLD_SIZE`, Slurm's, Open MPI's; see
-    ///   [`Topology::from_env`](crate::advanced::Topology::from_env)): one replica per device of
+    ///   [`Topology::from_env`](crate::mechanism::Topology::from_env)): one replica per device of
     ///   `devices`, each a thread of this process, as [`new`](Self::new).
     /// - Started by `burn-ddp run` (or with its torchrun-style variables set otherwise), `srun` or
     ///   `mpirun`: one replica in this process, on
@@ -179,7 +179,7 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// [`DdpError::InvalidConfig`] also when the local rank has no device of its own
     /// (`local_rank >= devices.len()` among several different devices).
     ///
-    /// [`TcpGroup`]: crate::TcpGroup
+    /// [`TcpGroup`]: crate::group::TcpGroup
     /// [`TcpGroupOptions::default`]: crate::group::TcpGroupOptions
     pub fn from_env(devices: Vec<Device<TrainingBackend<LC>>>) -> Result<Self> {
         Self::from_env_with(devices, &crate::group::TcpGroupOptions::default())
@@ -262,7 +262,7 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// # fn doc<LC: LearningComponentsTypes<Backend = Autodiff<Flex>> + Send + 'static>(training: SupervisedTraining<LC>) -> Result<SupervisedTraining<LC>, burn_ddp::DdpError> {
     /// use std::sync::Arc;
     /// use burn_ddp::group::TcpGroupOptions;
-    /// use burn_ddp::{DdpStrategy, TcpGroup};
+    /// use burn_ddp::{DdpStrategy, group::TcpGroup};
     /// // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the launcher.
     /// let group = Arc::new(TcpGroup::from_env(&TcpGroupOptions::default())?);
     /// let strategy = DdpStrategy::with_process_group(Default::default(), group);

@@ -94,8 +94,11 @@ where
     ValidOutput<LC>: 'static,
 {
     // CUDA replicas reduce with NCCL, in GPU memory (the host group bootstraps it).
-    trainer.group =
-        crate::nccl::group_for_device(trainer.group.clone(), &trainer.device, &trainer.config)?;
+    trainer.group = crate::group::nccl::group_for_device(
+        trainer.group.clone(),
+        &trainer.device,
+        &trainer.config,
+    )?;
     // Every collective of this rank from here on is counted (RankReport::collectives).
     let collectives = Arc::new(AtomicU64::new(0));
     trainer.group = Arc::new(CountingGroup::new(

@@ -124,7 +124,7 @@ fn main() -> ExitCode {
         // exit code, which `burn-ddp run` does not treat as a failure.
         Err(Failure::Stopped(message)) => {
             eprintln!("{message}");
-            ExitCode::from(burn_ddp::PREEMPTED_EXIT_CODE as u8)
+            ExitCode::from(burn_ddp::checkpoint::PREEMPTED_EXIT_CODE as u8)
         }
         Err(Failure::Other(message)) => {
             eprintln!("error: {message}");
@@ -176,8 +176,8 @@ fn cuda(args: &Args) -> Result<(), Failure> {
     use burn::backend::Cuda;
     use burn::backend::cuda::CudaDevice;
     // A clear error instead of a panic in Burn when there is no NVIDIA driver or NVRTC.
-    burn_ddp::nccl::check_cuda_driver().map_err(|e| e.to_string())?;
-    let gpus = burn_ddp::nccl::cuda_device_count().map_err(|e| e.to_string())?;
+    burn_ddp::group::nccl::check_cuda_driver().map_err(|e| e.to_string())?;
+    let gpus = burn_ddp::group::nccl::cuda_device_count().map_err(|e| e.to_string())?;
     let workers = args.workers.unwrap_or(gpus);
     if workers == 0 || workers > gpus {
         return Err(Failure::Other(format!(
@@ -243,7 +243,7 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
     B::seed(&device, args.seed);
     let model = Cnn::<B>::new(&device);
     // Burn creates parameters lazily; create them now, from the seed, on this thread.
-    let _ = burn_ddp::advanced::value_fingerprint(&model);
+    let _ = burn_ddp::mechanism::value_fingerprint(&model);
 
     let train_len = train_items.len();
     let sampler = DistributedSampler::new(train_len, world_size)

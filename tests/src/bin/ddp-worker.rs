@@ -38,8 +38,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_ddp::DdpConfig;
-use burn_ddp::advanced::Topology;
-use burn_ddp::advanced::launch::{LaunchConfig, launch};
+use burn_ddp::mechanism::Topology;
+use burn_ddp::mechanism::launch::{LaunchConfig, launch};
 use burn_ddp_tests::{STEP_HOOK, train_example_cnn_from_env, write_tensors};
 
 struct Args {
@@ -327,8 +327,8 @@ fn main() -> ExitCode {
 /// stderr otherwise.
 #[cfg(feature = "mpi")]
 fn mpi_case(raw: &[String]) -> ExitCode {
-    use burn_ddp::group::ReduceOp;
-    use burn_ddp::{MpiGroup, ProcessGroup};
+    use burn_ddp::ProcessGroup;
+    use burn_ddp::group::{ExtendedCollectives, MpiGroup, ReduceOp};
     use burn_ddp_tests::collective_input;
 
     let case = raw.first().map(String::as_str).unwrap_or("");

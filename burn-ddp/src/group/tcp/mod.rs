@@ -12,7 +12,7 @@
 //! the same order as [`ThreadGroup`](super::ThreadGroup), so both groups give the same bits, and
 //! each element is summed once, so every rank gets the same bits. A chunk is added into the
 //! rank's own as its bytes arrive, while the rest is still on the wire. 16-bit all-reduces
-//! ([`ProcessGroup::all_reduce_half`]) send half the bytes; each hop adds in `f32` and rounds to
+//! ([`ExtendedCollectives::all_reduce_half`](crate::group::ExtendedCollectives::all_reduce_half)) send half the bytes; each hop adds in `f32` and rounds to
 //! the 16-bit format.
 //!
 //! # Failures
@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 
-use super::{Collective, HalfFloat, ProcessGroup, ReduceOp, lock};
+use super::{Collective, HalfFloat, Native, ProcessGroup, ReduceOp, lock};
 use crate::error::{DdpError, Result};
 use crate::partition::chunk_range;
 use crate::rendezvous::Rendezvous;
@@ -303,39 +303,6 @@ impl ProcessGroup for TcpGroup {
         })
     }
 
-    fn all_reduce_half(
-        &self,
-        bucket: &mut [u16],
-        format: HalfFloat,
-        op: ReduceOp,
-        timeout: Duration,
-    ) -> Result<()> {
-        let call = self.begin(
-            Collective::AllReduceHalf {
-                op,
-                len: bucket.len(),
-                format,
-            },
-            timeout,
-        )?;
-        if self.world_size == 1 {
-            return Ok(());
-        }
-        let divisor = self.world_size as f32;
-        let average = |v: u16| format.from_f32(format.to_f32(v) / divisor);
-        let finish: Option<&dyn Fn(u16) -> u16> = (op == ReduceOp::Avg).then_some(&average);
-        self.run(call, || {
-            self.ring(
-                &call,
-                bucket,
-                |partial: u16, own: u16| {
-                    format.from_f32(format.to_f32(partial) + format.to_f32(own))
-                },
-                finish,
-            )
-        })
-    }
-
     fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
         let n = self.world_size;
         let call = self.begin(
@@ -436,6 +403,45 @@ impl ProcessGroup for TcpGroup {
         let reason = String::from_utf8_lossy(&reason).into_owned();
         let mut aborted = lock(&self.aborted);
         Some(aborted.get_or_insert(reason).clone())
+    }
+
+    fn native(&self) -> Option<&dyn Native> {
+        Some(self)
+    }
+}
+
+impl Native for TcpGroup {
+    fn all_reduce_half(
+        &self,
+        bucket: &mut [u16],
+        format: HalfFloat,
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let call = self.begin(
+            Collective::AllReduceHalf {
+                op,
+                len: bucket.len(),
+                format,
+            },
+            timeout,
+        )?;
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        let divisor = self.world_size as f32;
+        let average = |v: u16| format.from_f32(format.to_f32(v) / divisor);
+        let finish: Option<&dyn Fn(u16) -> u16> = (op == ReduceOp::Avg).then_some(&average);
+        self.run(call, || {
+            self.ring(
+                &call,
+                bucket,
+                |partial: u16, own: u16| {
+                    format.from_f32(format.to_f32(partial) + format.to_f32(own))
+                },
+                finish,
+            )
+        })
     }
 }
 

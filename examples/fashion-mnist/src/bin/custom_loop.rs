@@ -29,11 +29,12 @@ use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::record::CompactRecorder;
 use burn::tensor::ElementConversion;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn_ddp::advanced::topology::Topology;
 use burn_ddp::group::{ReduceOp, TcpGroupOptions};
+use burn_ddp::mechanism::topology::Topology;
 use burn_ddp::{
     DdpConfig, DdpError, DistributedDataLoader, DistributedDataParallel, DistributedSampler,
-    ProcessGroup, TcpGroup, ThreadGroup,
+    ProcessGroup,
+    group::{TcpGroup, ThreadGroup},
 };
 use clap::Parser;
 
@@ -93,7 +94,7 @@ fn main() -> ExitCode {
 fn process_group() -> Result<Option<Arc<dyn ProcessGroup>>, DdpError> {
     #[cfg(feature = "mpi")]
     if burn_ddp::group::launched_by_mpi() {
-        return Ok(Some(Arc::new(burn_ddp::MpiGroup::world()?)));
+        return Ok(Some(Arc::new(burn_ddp::group::MpiGroup::world()?)));
     }
     if Topology::from_env()?.is_none() {
         return Ok(None);

@@ -33,10 +33,10 @@ use burn::backend::Cuda;
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
-use burn_ddp::ThreadGroup;
 use burn_ddp::config::GradientCompression;
-use burn_ddp::group::{ProcessGroup, ReduceOp};
-use burn_ddp::nccl::{NcclGroup, NcclIdSource};
+use burn_ddp::group::ThreadGroup;
+use burn_ddp::group::nccl::{NcclGroup, NcclIdSource};
+use burn_ddp::group::{ExtendedCollectives, ProcessGroup, ReduceOp};
 use clap::Parser;
 use serde_json::{Value, json};
 
@@ -100,7 +100,7 @@ fn run(args: &Args) -> Result<bool, String> {
         }
     };
     let started = Instant::now();
-    let built = burn_ddp::nccl::check_cuda_driver()
+    let built = burn_ddp::group::nccl::check_cuda_driver()
         .and_then(|()| ThreadGroup::new_group(1))
         .and_then(|mut host| {
             NcclGroup::new(
@@ -118,7 +118,7 @@ fn run(args: &Args) -> Result<bool, String> {
             return Err(e.to_string());
         }
     };
-    summary["nccl_version"] = burn_ddp::nccl::version_string(group.nccl_version()).into();
+    summary["nccl_version"] = burn_ddp::group::nccl::version_string(group.nccl_version()).into();
     summary["nccl_init_s"] = started.elapsed().as_secs_f64().into();
     save(&summary);
 
@@ -365,7 +365,7 @@ fn reducer_steps(group: Arc<NcclGroup>, steps: usize) -> Value {
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::GradientsParams;
     use burn_ddp::DdpConfig;
-    use burn_ddp::advanced::{ReduceOptions, Reducer, ReplicaLayout};
+    use burn_ddp::mechanism::{ReduceOptions, Reducer, ReplicaLayout};
     type Ad = burn::backend::Autodiff<Cuda>;
     let device = CudaDevice::new(0);
     let layer: Linear<Ad> = LinearConfig::new(300, 200).init(&device);

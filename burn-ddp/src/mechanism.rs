@@ -1,6 +1,6 @@
-//! The machinery under [`DdpStrategy`](crate::DdpStrategy) and
-//! [`DistributedDataParallel`](crate::DistributedDataParallel), for custom training loops,
-//! launchers and tests: the gradient [`Reducer`] and its bucket layout, the replica checks
+//! The mechanism under the policy of [`DdpStrategy`](crate::DdpStrategy) and
+//! [`DistributedDataParallel`](crate::DistributedDataParallel) (as PyTorch's `reducer.cpp` is
+//! under `distributed.py`), for custom training loops, launchers and tests: the gradient [`Reducer`] and its bucket layout, the replica checks
 //! (layouts, fingerprints, broadcasts), the rendezvous [`store`], the [`topology`] read from the
 //! environment, and the [`launch`]er behind the `burn-ddp` binary. A Burn training needs none of
 //! it; these items may change between minor versions more readily than the crate root's.

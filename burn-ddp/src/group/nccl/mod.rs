@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use crate::config::DdpConfig;
 use crate::error::Result;
-use crate::group::ProcessGroup;
+use crate::group::{ExtendedCollectives, ProcessGroup};
 
 /// The process group a replica on `device` trains with: an [`NcclGroup`] over `host` (same
 /// ranks, NCCL id shared through `host`) when `device` is a burn-cuda device and the world has

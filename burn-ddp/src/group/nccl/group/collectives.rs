@@ -298,11 +298,11 @@ impl NcclGroup {
 
     /// All-reduce of `src` into `dst` (float tensor primitives of burn-cuda of the same dtype
     /// and length, disjoint; with or without fusion). In place is
-    /// [`all_reduce_device`](ProcessGroup::all_reduce_device); this out-of-place form lets a
+    /// [`all_reduce_device`](crate::group::ExtendedCollectives::all_reduce_device); this out-of-place form lets a
     /// check tell a stale read from a fresh one.
     ///
     /// # Errors
-    /// As [`all_reduce_device`](ProcessGroup::all_reduce_device): [`DdpError::Nccl`] with code
+    /// As [`all_reduce_device`](crate::group::ExtendedCollectives::all_reduce_device): [`DdpError::Nccl`] with code
     /// `"unsupported bucket"` for a dtype other than f32/bf16/f16, a tensor that is not
     /// contiguous, on another GPU than the group's, or of another length or dtype than the other
     /// (these return before any communication and, unlike the reducer, do not abort the peers);

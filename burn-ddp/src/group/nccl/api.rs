@@ -127,7 +127,7 @@ impl NcclUniqueId {
     /// Shares a communicator id through a rendezvous store, as PyTorch's `ProcessGroupNCCL` does:
     /// rank 0 creates it (`ncclGetUniqueId`, through `api`) and [publishes](Self::publish) it
     /// under `key`; every other rank [reads](Self::read) it, waiting up to `timeout`. Pass the
-    /// result as [`NcclIdSource::Given`](crate::nccl::NcclIdSource::Given). Use a fresh `key`
+    /// result as [`NcclIdSource::Given`](crate::group::nccl::NcclIdSource::Given). Use a fresh `key`
     /// per communicator (e.g. with the restart count in it).
     ///
     /// # Errors

@@ -35,7 +35,7 @@ use super::api::{
 use super::driver::{check_blocking_env, driver_error, grant_pool_access};
 pub use super::driver::{check_cuda_driver, cuda_device_count};
 use crate::error::{DdpError, Result};
-use crate::group::{Collective, ProcessGroup, ReduceOp, backoff};
+use crate::group::{Collective, Native, ProcessGroup, ReduceOp, backoff};
 
 mod collectives;
 use collectives::Step;
@@ -71,8 +71,8 @@ type CudaCube = CubeBackend<CudaRuntime, f32, i32, u8>;
 #[derive(Debug, Clone, Copy)]
 pub enum NcclIdSource {
     /// Rank 0 creates it and shares it through the host process group (a broadcast of its 128
-    /// bytes): threads of one process ([`ThreadGroup`](crate::ThreadGroup)), processes joined
-    /// by the rendezvous ([`TcpGroup`](crate::TcpGroup)) or by MPI (`MpiGroup`: `MPI_Bcast`).
+    /// bytes): threads of one process ([`ThreadGroup`](crate::group::ThreadGroup)), processes joined
+    /// by the rendezvous ([`TcpGroup`](crate::group::TcpGroup)) or by MPI (`MpiGroup`: `MPI_Bcast`).
     HostGroup,
     /// Every rank was given the same id, e.g. through the rendezvous store with
     /// [`NcclUniqueId::share_through_store`]. For groups built with [`NcclGroup::new`] in a
@@ -116,8 +116,8 @@ unsafe impl Send for Cuda {}
 /// # use std::sync::Arc;
 /// # use std::time::Duration;
 /// # use burn_ddp::group::TcpGroupOptions;
-/// # use burn_ddp::{ProcessGroup, TcpGroup};
-/// # use burn_ddp::nccl::{NcclGroup, NcclIdSource};
+/// # use burn_ddp::{ProcessGroup, group::TcpGroup};
+/// # use burn_ddp::group::nccl::{NcclGroup, NcclIdSource};
 /// # fn main() -> burn_ddp::Result<()> {
 /// let host = Arc::new(TcpGroup::from_env(&TcpGroupOptions::default())?);
 /// let local_rank = 0; // this process's GPU
@@ -464,6 +464,12 @@ impl ProcessGroup for NcclGroup {
             .or_else(|| self.host.aborted())
     }
 
+    fn native(&self) -> Option<&dyn Native> {
+        Some(self)
+    }
+}
+
+impl Native for NcclGroup {
     fn reduces_device_tensors(&self) -> bool {
         true
     }
@@ -528,7 +534,7 @@ impl Drop for NcclGroup {
 mod tests {
     use super::*;
     use crate::group::ThreadGroup;
-    use crate::nccl::driver::check_blocking;
+    use crate::group::nccl::driver::check_blocking;
 
     #[test]
     fn nccl_comm_blocking_is_refused_with_why() {
@@ -589,10 +595,10 @@ mod tests {
         let host: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new_group(1).unwrap().remove(0));
         let config = crate::config::DdpConfig::default();
         let cpu = burn::backend::flex::FlexDevice;
-        let group = crate::nccl::group_for_device(host.clone(), &cpu, &config).unwrap();
+        let group = crate::group::nccl::group_for_device(host.clone(), &cpu, &config).unwrap();
         assert_eq!(group.backend(), "threads");
         let cuda = cubecl::cuda::CudaDevice::new(0);
-        let group = crate::nccl::group_for_device(host, &cuda, &config).unwrap();
+        let group = crate::group::nccl::group_for_device(host, &cuda, &config).unwrap();
         assert_eq!(group.backend(), "threads", "one rank needs no communicator");
     }
 }
