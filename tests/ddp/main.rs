@@ -4,6 +4,7 @@
 
 mod changes;
 mod custom_loop;
+mod documentation;
 mod equivalence;
 mod failures;
 mod hooks;
