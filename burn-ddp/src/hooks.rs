@@ -46,7 +46,7 @@ pub struct HostBucket<'a> {
 
 /// What a hook did in one step, for the reducer's counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HookReport {
+pub struct HookStats {
     /// Bytes this rank sent to the all-reduces (what one rank contributes, before the ring's
     /// `2 (N-1)/N` factor).
     pub bytes: usize,
@@ -83,7 +83,7 @@ pub trait CommHook: Send + Sync + fmt::Debug {
         buckets: &mut [HostBucket<'_>],
         op: ReduceOp,
         timeout: Duration,
-        report: &mut HookReport,
+        stats: &mut HookStats,
     ) -> Result<()>;
 
     /// Whether the hook also reduces the reducer's bookkeeping (presence flags, control words)
@@ -116,11 +116,11 @@ impl CommHook for AllReduce {
         buckets: &mut [HostBucket<'_>],
         op: ReduceOp,
         timeout: Duration,
-        report: &mut HookReport,
+        stats: &mut HookStats,
     ) -> Result<()> {
         for bucket in buckets {
             group.all_reduce(bucket.buffer, op, timeout)?;
-            report.bytes += bucket.buffer.len() * 4;
+            stats.bytes += bucket.buffer.len() * 4;
         }
         Ok(())
     }
@@ -178,7 +178,7 @@ impl CommHook for Compress16 {
         buckets: &mut [HostBucket<'_>],
         op: ReduceOp,
         timeout: Duration,
-        report: &mut HookReport,
+        stats: &mut HookStats,
     ) -> Result<()> {
         let n = group.world_size();
         // One all-gather: every bucket's largest and smallest non-zero magnitude, then the
@@ -203,7 +203,7 @@ impl CommHook for Compress16 {
         } else {
             group.all_gather(&words, timeout)?
         };
-        report.bytes += per_rank * 8;
+        stats.bytes += per_rank * 8;
         let value = |r: usize, i: usize| f32::from_bits(all[r * per_rank + i] as u32);
         let mut tail_at = stats_len;
         for bucket in buckets.iter_mut() {
@@ -220,7 +220,7 @@ impl CommHook for Compress16 {
         }
         let mut wire = WIRE.with(|w| std::mem::take(&mut *w.borrow_mut()));
         let result = self.reduce_values(
-            group, buckets, op, timeout, report, &all, per_rank, &mut wire,
+            group, buckets, op, timeout, stats, &all, per_rank, &mut wire,
         );
         WIRE.with(|w| *w.borrow_mut() = wire);
         result
@@ -237,7 +237,7 @@ impl Compress16 {
         buckets: &mut [HostBucket<'_>],
         op: ReduceOp,
         timeout: Duration,
-        report: &mut HookReport,
+        stats: &mut HookStats,
         all: &[u64],
         per_rank: usize,
         wire: &mut Vec<u16>,
@@ -265,17 +265,17 @@ impl Compress16 {
                     for (g, &bits) in gradients.iter_mut().zip(wire.iter()) {
                         *g = self.format.to_f32(bits) / scale;
                     }
-                    report.bytes += wire.len() * 2;
+                    stats.bytes += wire.len() * 2;
                 }
                 Ok(Wire::F32) | Err(Fallback::NonFinite) => {
                     // Sent as they are: the NaN/infinity check after the hook names the ranks.
                     group.all_reduce(gradients, op, timeout)?;
-                    report.bytes += gradients.len() * 4;
+                    stats.bytes += gradients.len() * 4;
                 }
                 Err(Fallback::Range) => {
                     group.all_reduce(gradients, op, timeout)?;
-                    report.bytes += gradients.len() * 4;
-                    report.uncompressed_buckets += 1;
+                    stats.bytes += gradients.len() * 4;
+                    stats.uncompressed_buckets += 1;
                     let first = self
                         .warned
                         .lock()
@@ -342,14 +342,14 @@ mod tests {
         hook: &dyn CommHook,
         magnitudes: [f32; 2],
         op: ReduceOp,
-    ) -> Vec<(Vec<Vec<f32>>, HookReport)> {
+    ) -> Vec<(Vec<Vec<f32>>, HookStats)> {
         std::thread::scope(|s| {
             let handles: Vec<_> = groups
                 .into_iter()
                 .map(|group| {
                     s.spawn(move || {
                         let mut mine = buffers(group.rank(), magnitudes);
-                        let mut report = HookReport::default();
+                        let mut stats = HookStats::default();
                         {
                             let mut buckets: Vec<HostBucket<'_>> = mine
                                 .iter_mut()
@@ -360,10 +360,10 @@ mod tests {
                                     buffer,
                                 })
                                 .collect();
-                            hook.reduce(group.as_ref(), &mut buckets, op, T, &mut report)
+                            hook.reduce(group.as_ref(), &mut buckets, op, T, &mut stats)
                                 .unwrap();
                         }
-                        (mine, report)
+                        (mine, stats)
                     })
                 })
                 .collect();
@@ -419,12 +419,12 @@ mod tests {
                     ),
                 ] {
                     let what = format!("{format} {kind} n={n}");
-                    for (rank, (buckets, report)) in results.iter().enumerate() {
+                    for (rank, (buckets, stats)) in results.iter().enumerate() {
                         assert_eq!(
                             buckets, &results[0].0,
                             "{what}: rank {rank} differs from rank 0"
                         );
-                        assert_eq!(report.uncompressed_buckets, 0, "{what}");
+                        assert_eq!(stats.uncompressed_buckets, 0, "{what}");
                         for (b, (got, want)) in buckets.iter().zip(&exact[0].0).enumerate() {
                             let gradients = if b == 0 { 300 } else { 257 };
                             for i in 0..gradients {
@@ -480,15 +480,15 @@ mod tests {
                             group.all_reduce(&mut copy, ReduceOp::Avg, T).unwrap();
                             copy
                         };
-                        let mut report = HookReport::default();
+                        let mut stats = HookStats::default();
                         let mut buckets = [HostBucket {
                             index: 0,
                             gradients: 300,
                             buffer: &mut first,
                         }];
-                        hook.reduce(group.as_ref(), &mut buckets, ReduceOp::Avg, T, &mut report)
+                        hook.reduce(group.as_ref(), &mut buckets, ReduceOp::Avg, T, &mut stats)
                             .unwrap();
-                        (first, exact, report)
+                        (first, exact, stats)
                     })
                 })
                 .collect();
@@ -497,8 +497,8 @@ mod tests {
                 .map(|h| h.join().unwrap())
                 .collect::<Vec<_>>()
         });
-        for (rank, (got, exact, report)) in results.iter().enumerate() {
-            assert_eq!(report.uncompressed_buckets, 1, "rank {rank}");
+        for (rank, (got, exact, stats)) in results.iter().enumerate() {
+            assert_eq!(stats.uncompressed_buckets, 1, "rank {rank}");
             assert_eq!(got, exact, "rank {rank}: sent as f32, exactly");
         }
     }

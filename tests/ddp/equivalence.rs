@@ -185,8 +185,7 @@ fn a_partial_accumulation_at_the_end_of_an_epoch_is_dropped_as_on_one_device() {
 
 #[test]
 fn an_interrupt_on_one_rank_stops_every_rank_at_the_same_step() {
-    use burn_ddp_tests::Interrupting;
-    let model = materialized(Interrupting::new(&device()));
+    let model = materialized(burn_ddp_tests::interrupting(&device()));
     let mut run = Run::new(Some(2), 16, 20 * 16);
     run.epochs = 2;
     run.interrupt_after = Some(3);

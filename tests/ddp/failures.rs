@@ -7,22 +7,19 @@ use std::time::{Duration, Instant};
 use burn::backend::NdArray;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
-use burn::module::Module;
+
 use burn::optim::SgdConfig;
-use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
+
 use burn::train::logger::InMemoryMetricLogger;
-use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
-};
+use burn::train::{Learner, SupervisedTraining, TrainStep};
 use burn_ddp::config::Validation;
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataParallel, ProcessGroup,
     group::ThreadGroup,
 };
 use burn_ddp_tests::{
-    Batch, DeeperMlp, ItemBatcher, Mlp, Run, SilentRenderer, TestBackend, device, materialized,
-    run_training, synthetic_dataset,
+    Batch, DeeperMlp, Hooked, ItemBatcher, Mlp, Run, SilentRenderer, StepKind, TestBackend, device,
+    materialized, run_training, synthetic_dataset,
 };
 
 #[test]
@@ -128,46 +125,18 @@ fn a_rank_that_never_calls_the_all_reduce_is_named_within_the_timeout() {
 }
 
 /// An MLP whose third training step panics on rank 1.
-#[derive(Module, Debug)]
-pub struct Panicky<B: Backend> {
-    inner: Mlp<B>,
-}
-
-thread_local! {
-    static STEPS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-impl<B: AutodiffBackend> TrainStep for Panicky<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        let step = STEPS.with(|s| {
-            s.set(s.get() + 1);
-            s.get()
-        });
-        if step == 3 && std::thread::current().name() == Some("burn-ddp-rank-1") {
-            panic!("boom in the model at step {step}");
+fn panicky() -> Hooked<TestBackend, Mlp<TestBackend>> {
+    Hooked::new(Mlp::new(&device()), |call| {
+        if call.train_step_on(3, 1) {
+            panic!("boom in the model at step {}", call.count);
         }
-        TrainStep::step(&self.inner, batch)
-    }
-}
-
-impl<B: Backend> InferenceStep for Panicky<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
-        InferenceStep::step(&self.inner, batch)
-    }
+    })
 }
 
 #[test]
 fn a_panicking_replica_stops_every_rank_and_is_named() {
     let started = Instant::now();
-    let model = materialized(Panicky {
-        inner: Mlp::new(&device()),
-    });
+    let model = materialized(panicky());
     let mut run = Run::new(Some(2), 16, 20 * 16);
     // The backstop timeout is long: the failure must be reported at once, not by a timeout.
     run.config = DdpConfig::default().with_timeout(Duration::from_secs(120));
@@ -328,45 +297,20 @@ fn valid_loader() -> Arc<dyn DataLoader<NdArray, Batch<NdArray>>> {
         )))
 }
 
-/// An MLP whose validation panics on ranks 0 and 1 (thread names).
-#[derive(Module, Debug)]
-pub struct FailsValidation<B: Backend> {
-    inner: Mlp<B>,
-}
-
-impl<B: AutodiffBackend> TrainStep for FailsValidation<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        TrainStep::step(&self.inner, batch)
-    }
-}
-
-impl<B: Backend> InferenceStep for FailsValidation<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
-        let thread = std::thread::current()
-            .name()
-            .unwrap_or_default()
-            .to_string();
-        // Rank 1's thread is named `burn-ddp-rank-1`; rank 0 runs validation alone in `Rank0`
-        // mode, and fails there.
-        if thread.ends_with("rank-1") || thread.ends_with("rank-0") {
-            panic!("validation failed on {thread}");
+/// An MLP whose validation panics on ranks 0 and 1 (thread names; rank 0 runs validation alone
+/// in `Rank0` mode, and fails there).
+fn fails_validation() -> Hooked<TestBackend, Mlp<TestBackend>> {
+    Hooked::new(Mlp::new(&device()), |call| {
+        if call.kind == StepKind::Valid && (call.on_rank(0) || call.on_rank(1)) {
+            panic!("validation failed on {}", call.thread);
         }
-        InferenceStep::step(&self.inner, batch)
-    }
+    })
 }
 
 #[test]
 fn a_failure_in_rank_0_validation_releases_the_waiting_ranks() {
     let started = Instant::now();
-    let model = materialized(FailsValidation {
-        inner: Mlp::new(&device()),
-    });
+    let model = materialized(fails_validation());
     let mut run = Run::new(Some(3), 12, 4 * 12);
     // The others wait in the end-of-epoch all-gather; the abort must free them long before this.
     run.config = DdpConfig::default()
@@ -390,9 +334,7 @@ fn a_failure_in_rank_0_validation_releases_the_waiting_ranks() {
 #[test]
 fn a_failure_in_one_rank_s_validation_shard_is_named_and_releases_the_others() {
     let started = Instant::now();
-    let model = materialized(FailsValidation {
-        inner: Mlp::new(&device()),
-    });
+    let model = materialized(fails_validation());
     let mut run = Run::new(Some(3), 12, 4 * 12);
     run.config = DdpConfig::default().with_epoch_end_timeout(Duration::from_secs(600));
     let err = run_training(model, SgdConfig::new().init(), 0.05, &run).unwrap_err();
@@ -413,37 +355,17 @@ fn a_failure_in_one_rank_s_validation_shard_is_named_and_releases_the_others() {
 
 /// The MLP, whose validation step panics on rank 1's thread (thread ranks and TCP test ranks
 /// are named `burn-ddp-rank-R`).
-#[derive(Module, Debug)]
-pub struct FailsValidatingOnRank1<B: Backend> {
-    inner: Mlp<B>,
-}
-
-impl<B: AutodiffBackend> TrainStep for FailsValidatingOnRank1<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        TrainStep::step(&self.inner, batch)
-    }
-}
-
-impl<B: Backend> InferenceStep for FailsValidatingOnRank1<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
-        if std::thread::current().name() == Some("burn-ddp-rank-1") {
+fn fails_validating_on_rank_1() -> Hooked<TestBackend, Mlp<TestBackend>> {
+    Hooked::new(Mlp::new(&device()), |call| {
+        if call.kind == StepKind::Valid && call.on_rank(1) {
             panic!("rank 1 fails while validating");
         }
-        InferenceStep::step(&self.inner, batch)
-    }
+    })
 }
 
 #[test]
 fn a_rank_that_fails_alone_while_validating_stops_every_rank_at_once_naming_it() {
-    let model = materialized(FailsValidatingOnRank1 {
-        inner: Mlp::new(&device()),
-    });
+    let model = materialized(fails_validating_on_rank_1());
     let config = DdpConfig::default()
         .with_timeout(Duration::from_secs(60))
         .with_epoch_end_timeout(Duration::from_secs(60));

@@ -8,7 +8,7 @@ use std::time::Duration;
 use burn::optim::SgdConfig;
 use burn_ddp::config::GradientCompression;
 use burn_ddp::group::ReduceOp;
-use burn_ddp::hooks::{CommHook, HookReport, HostBucket};
+use burn_ddp::hooks::{CommHook, HookStats, HostBucket};
 use burn_ddp::{DdpConfig, ProcessGroup};
 use burn_ddp_tests::{
     Mlp, Run, copy_of, device, float_tensors, materialized, max_relative_difference, over_tcp,
@@ -33,7 +33,7 @@ impl CommHook for SumHook {
         buckets: &mut [HostBucket<'_>],
         op: ReduceOp,
         timeout: Duration,
-        report: &mut HookReport,
+        stats: &mut HookStats,
     ) -> burn_ddp::Result<()> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         for bucket in buckets.iter_mut() {
@@ -44,7 +44,7 @@ impl CommHook for SumHook {
                     .iter_mut()
                     .for_each(|v| *v /= n);
             }
-            report.bytes += 4 * bucket.buffer.len();
+            stats.bytes += 4 * bucket.buffer.len();
         }
         Ok(())
     }

@@ -5,13 +5,10 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use burn::module::Module;
 use burn::optim::SgdConfig;
-use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
-use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+
 use burn_ddp_tests::{
-    Batch, Mlp, Recording, Run, SplitSeen, TestBackend, device, materialized, over_tcp,
+    Hooked, Mlp, Recording, Run, SplitSeen, StepKind, TestBackend, device, materialized, over_tcp,
     run_training,
 };
 
@@ -25,50 +22,34 @@ static TRAINED_BY: Mutex<BTreeMap<String, std::collections::BTreeSet<(usize, usi
 /// The tests of this module one at a time (their rank threads have the same names).
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// The MLP, counting its validation batches per thread.
-#[derive(Module, Debug)]
-pub struct Counting<B: Backend> {
-    inner: Mlp<B>,
-}
+/// The MLP, recording what `rank()` and `world_size()` answer in its training steps and
+/// counting its validation batches, per thread.
+type Counting = Hooked<TestBackend, Mlp<TestBackend>>;
 
-impl<B: AutodiffBackend> TrainStep for Counting<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        let thread = std::thread::current()
-            .name()
-            .unwrap_or_default()
-            .to_string();
-        if let Ok(mut seen) = TRAINED_BY.lock() {
-            seen.entry(thread)
-                .or_default()
-                .insert((burn_ddp::rank(), burn_ddp::world_size()));
+fn counting() -> Counting {
+    Hooked::new(Mlp::new(&device()), |call| {
+        let thread = call.thread.to_string();
+        match call.kind {
+            StepKind::Train => {
+                if let Ok(mut seen) = TRAINED_BY.lock() {
+                    seen.entry(thread)
+                        .or_default()
+                        .insert((burn_ddp::rank(), burn_ddp::world_size()));
+                }
+            }
+            StepKind::Valid => {
+                if let Ok(mut counts) = VALIDATED.lock() {
+                    *counts.entry(thread).or_default() += 1;
+                }
+            }
         }
-        TrainStep::step(&self.inner, batch)
-    }
-}
-
-impl<B: Backend> InferenceStep for Counting<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
-        let thread = std::thread::current()
-            .name()
-            .unwrap_or_default()
-            .to_string();
-        if let Ok(mut counts) = VALIDATED.lock() {
-            *counts.entry(thread).or_default() += 1;
-        }
-        InferenceStep::step(&self.inner, batch)
-    }
+    })
 }
 
 /// Trains (or, with `lr` 0, only validates) the MLP and returns what rank 0's renderer saw:
 /// on one device (`ranks` 0), on `ranks` threads, or on `ranks` TCP "processes".
 fn seen(
-    model: &Counting<TestBackend>,
+    model: &Counting,
     ranks: usize,
     tcp: bool,
     mut run: Run,
@@ -104,9 +85,7 @@ fn close(a: f64, b: f64, tolerance: f64) -> bool {
 fn validation_over_10_items_gives_single_device_metrics_on_1_2_and_3_ranks() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // Learning rate 0: every run validates the same model; only where validation runs differs.
-    let model = materialized(Counting {
-        inner: Mlp::new(&device()),
-    });
+    let model = materialized(counting());
     let mut run = Run::new(None, 12, 24);
     run.valid_samples = Some(10);
     run.valid_batch = 2;
@@ -177,9 +156,7 @@ fn validation_over_10_items_gives_single_device_metrics_on_1_2_and_3_ranks() {
 fn the_renderer_sees_one_item_per_step_with_the_global_batch_metrics() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // 10 steps of a global batch of 16: every run sees the same samples per step.
-    let model = materialized(Counting {
-        inner: Mlp::new(&device()),
-    });
+    let model = materialized(counting());
     let run = Run::new(None, 16, 10 * 16);
     let (single, _) = seen(&model, 0, false, run.clone(), 0.1);
     // A train step asks burn_ddp::rank() and world_size() (as a user's metric or callback

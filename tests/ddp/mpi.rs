@@ -7,14 +7,13 @@
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn_ddp::DdpConfig;
 use burn_ddp::group::ReduceOp;
 use burn_ddp_tests::{
-    Run, clean_env, collective_input, deterministic_mlp, max_relative_difference, over_tcp,
-    read_tensors, run_training, train_mlp,
+    Run, clean_env, collective_input, deterministic_mlp, finish_within, max_relative_difference,
+    over_tcp, read_tensors, run_training, train_mlp,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp-worker");
@@ -51,29 +50,14 @@ fn run_bounded(command: &mut Command, within: Duration) -> Job {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
-    let started = Instant::now();
     let child = command
         .spawn()
         .unwrap_or_else(|e| panic!("{command:?} (Open MPI: apt-get install openmpi-bin): {e}"));
-    let pgid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let Ok(output) = rx.recv_timeout(within) else {
-        // SAFETY: signals the process group this test created.
-        unsafe { libc::kill(-pgid, libc::SIGKILL) };
-        panic!("{command:?} did not end within {within:?}");
-    };
-    let output = output.unwrap();
+    let job = finish_within(child, within, &format!("{command:?}"));
     Job {
-        code: output.status.code(),
-        output: format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ),
-        took: started.elapsed(),
+        code: job.code,
+        output: format!("{}{}", job.stdout, job.stderr),
+        took: job.took,
     }
 }
 

@@ -13,8 +13,8 @@ use burn_ddp::mechanism::store::StoreServer;
 use burn_ddp::mechanism::{ReplicaLayout, TensorKind};
 use burn_ddp::{DdpConfig, DdpError};
 use burn_ddp_tests::{
-    ExampleCnn, TestBackend, clean_env, device, read_tensors, test_job, train_example_cnn,
-    with_test_job,
+    ExampleCnn, TestBackend, clean_env, device, finish_within, read_tensors, test_job,
+    train_example_cnn, with_test_job,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp-worker");
@@ -62,23 +62,8 @@ fn spawn_worker(rank: usize, world_size: usize, port: u16, args: &[&str]) -> Chi
 /// Waits (bounded) for a child; returns its success and its stderr. A child still running after
 /// `within` is killed before the test fails.
 fn finish(child: Child, within: Duration) -> (bool, String, Duration) {
-    let started = Instant::now();
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let Ok(output) = rx.recv_timeout(within) else {
-        // SAFETY: sends SIGKILL to the worker this test started and has not reaped.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        panic!("a worker did not exit within {within:?}");
-    };
-    let output = output.unwrap();
-    (
-        output.status.success(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-        started.elapsed(),
-    )
+    let job = finish_within(child, within, "a worker");
+    (job.success(), job.stderr, job.took)
 }
 
 fn wait_for_file(path: &Path, within: Duration) -> String {
@@ -495,21 +480,8 @@ fn run_worker(args: &[&str], within: Duration) -> (Option<i32>, String) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let Ok(output) = rx.recv_timeout(within) else {
-        // SAFETY: sends SIGKILL to the worker this test started and has not reaped.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        panic!("ddp-worker {args:?} did not exit within {within:?}");
-    };
-    let output = output.unwrap();
-    (
-        output.status.code(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    let job = finish_within(child, within, &format!("ddp-worker {args:?}"));
+    (job.code, job.stderr)
 }
 
 fn step_checkpoints(dir: &Path) -> Vec<String> {
@@ -746,26 +718,8 @@ fn a_sigterm_to_the_launcher_stops_its_workers_gracefully_with_exit_code_143() {
 
 /// [`finish`], with the exit code.
 fn finish_with_code(child: Child, within: Duration) -> (bool, (Option<i32>, String), Duration) {
-    let started = Instant::now();
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let Ok(output) = rx.recv_timeout(within) else {
-        // SAFETY: sends SIGKILL to the process this test started and has not reaped.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        panic!("a process did not exit within {within:?}");
-    };
-    let output = output.unwrap();
-    (
-        output.status.success(),
-        (
-            output.status.code(),
-            String::from_utf8_lossy(&output.stderr).into_owned(),
-        ),
-        started.elapsed(),
-    )
+    let job = finish_within(child, within, "a process");
+    (job.success(), (job.code, job.stderr), job.took)
 }
 
 #[test]

@@ -13,7 +13,8 @@ use burn_ddp::mechanism::auth::JobIdentity;
 use burn_ddp::mechanism::store::StoreServer;
 use burn_ddp::{DdpConfig, DdpError, group::TcpGroup};
 use burn_ddp_tests::{
-    Mlp, Run, clean_env, deterministic, device, over_tcp, run_training, test_job, with_test_job,
+    Mlp, Run, clean_env, deterministic, device, finish_within, over_tcp, run_training, test_job,
+    with_test_job,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp-worker");
@@ -271,11 +272,8 @@ fn sighup_run(nohup: bool) -> (Option<i32>, String) {
         }
     }
     let child = command.spawn().unwrap();
-    let output = child.wait_with_output().unwrap();
-    (
-        output.status.code(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    let job = finish_within(child, Duration::from_secs(120), "the SIGHUP run");
+    (job.code, job.stderr)
 }
 
 #[test]
@@ -312,28 +310,16 @@ fn a_worker_started_with_the_jobs_token_trains_and_one_without_is_refused() {
     };
     let rank0 = spawn(0, burn_ddp_tests::TEST_TOKEN);
     let intruder = spawn(1, "a guess");
-    let intruder = intruder.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&intruder.stderr);
-    assert_ne!(intruder.status.code(), Some(0), "{text}");
+    let intruder = finish_within(intruder, Duration::from_secs(120), "the intruder");
+    let text = intruder.stderr;
+    assert_ne!(intruder.code, Some(0), "{text}");
     assert!(text.contains("authentication failed"), "{text}");
     // The real rank 1 still joins rank 0 (which waited for it).
     let rank1 = spawn(1, burn_ddp_tests::TEST_TOKEN);
-    let (a, b) = (
-        rank0.wait_with_output().unwrap(),
-        rank1.wait_with_output().unwrap(),
-    );
-    assert_eq!(
-        a.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&a.stderr)
-    );
-    assert_eq!(
-        b.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&b.stderr)
-    );
+    let a = finish_within(rank0, Duration::from_secs(120), "rank 0");
+    let b = finish_within(rank1, Duration::from_secs(120), "rank 1");
+    assert_eq!(a.code, Some(0), "{}", a.stderr);
+    assert_eq!(b.code, Some(0), "{}", b.stderr);
     let _ = std::fs::remove_dir_all(out);
 }
 

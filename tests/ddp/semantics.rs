@@ -8,31 +8,43 @@ use burn::module::Module;
 use burn::optim::{AdamConfig, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn::train::{InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::config::{BufferSync, NonFinite, UnevenInputs};
 use burn_ddp::group::TcpGroupOptions;
 use burn_ddp::mechanism::topology::{Topology, TopologySource};
 use burn_ddp::{DdpConfig, DdpError, ProcessGroup, group::TcpGroup};
 use burn_ddp_tests::{
-    Batch, BnCnn, CountingScheduler, Mlp, Run, copy_of, device, float_tensors, materialized,
-    max_relative_difference, run_training, with_values,
+    Batch, BnCnn, CountingScheduler, Hooked, Mlp, Run, TestBackend, copy_of, device, float_tensors,
+    materialized, max_relative_difference, run_training, with_values,
 };
 
-/// An MLP whose rank-1 replica produces NaN logits at its 3rd batch.
+/// `M` (the MLP, or the BatchNorm CNN, whose forward pass then writes NaN into the replica's
+/// running statistics) with NaN inputs, so NaN logits, at rank 1's 3rd batch.
 #[derive(Module, Debug)]
-pub struct NanOnRank1<B: Backend> {
-    inner: Mlp<B>,
+pub struct NanOnRank1<B: Backend, M> {
+    inner: M,
+    #[module(skip)]
+    backend: std::marker::PhantomData<B>,
+}
+
+impl<B: Backend, M> NanOnRank1<B, M> {
+    fn new(inner: M) -> Self {
+        Self {
+            inner,
+            backend: std::marker::PhantomData,
+        }
+    }
 }
 
 thread_local! {
     static BATCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-impl<B: AutodiffBackend> TrainStep for NanOnRank1<B> {
+impl<B: AutodiffBackend, M: TrainStep<Input = Batch<B>>> TrainStep for NanOnRank1<B, M> {
     type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
+    type Output = M::Output;
 
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+    fn step(&self, batch: Batch<B>) -> TrainOutput<M::Output> {
         let n = BATCHES.with(|b| {
             b.set(b.get() + 1);
             b.get()
@@ -45,44 +57,11 @@ impl<B: AutodiffBackend> TrainStep for NanOnRank1<B> {
     }
 }
 
-impl<B: Backend> InferenceStep for NanOnRank1<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
+impl<B: Backend, M: InferenceStep> InferenceStep for NanOnRank1<B, M> {
+    type Input = M::Input;
+    type Output = M::Output;
 
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
-        InferenceStep::step(&self.inner, batch)
-    }
-}
-
-/// The BatchNorm CNN with the same NaN batch on rank 1: its forward pass writes NaN into the
-/// replica's running statistics.
-#[derive(Module, Debug)]
-pub struct NanBnOnRank1<B: Backend> {
-    inner: BnCnn<B>,
-}
-
-impl<B: AutodiffBackend> TrainStep for NanBnOnRank1<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        let n = BATCHES.with(|b| {
-            b.set(b.get() + 1);
-            b.get()
-        });
-        let mut batch = batch;
-        if n == 3 && std::thread::current().name() == Some("burn-ddp-rank-1") {
-            batch.inputs = batch.inputs.mul_scalar(f32::NAN);
-        }
-        TrainStep::step(&self.inner, batch)
-    }
-}
-
-impl<B: Backend> InferenceStep for NanBnOnRank1<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+    fn step(&self, batch: M::Input) -> M::Output {
         InferenceStep::step(&self.inner, batch)
     }
 }
@@ -95,9 +74,7 @@ fn nan_run_with(
     policy: NonFinite,
     scheduler: CountingScheduler,
 ) -> Result<burn_ddp_tests::Trained, DdpError> {
-    let model = materialized(NanOnRank1 {
-        inner: Mlp::new(&device()),
-    });
+    let model = materialized(NanOnRank1::new(Mlp::new(&device())));
     let mut run = Run::new(Some(2), 16, 8 * 16);
     run.config = DdpConfig::default()
         .with_non_finite(policy)
@@ -208,7 +185,7 @@ fn two_process_run_of(
                         .with_consistency_check_every(1);
                     let model = materialized(BnCnn::new(&device()));
                     if nan {
-                        let model = NanBnOnRank1 { inner: model };
+                        let model = NanOnRank1::new(model);
                         run_training(model, SgdConfig::new().init(), 0.05, &run)
                     } else {
                         run_training(model, SgdConfig::new().init(), 0.05, &run)
@@ -472,28 +449,15 @@ fn a_truncated_newest_checkpoint_is_passed_over_and_the_run_resumes_from_the_one
     assert_eq!(resumed, straight, "bit for bit");
 }
 
-/// Where [`SeesCheckpoint`] looks for rank 0's checkpoint of epoch 1, and what rank 1 saw.
+/// Where [`sees_checkpoint`] looks for rank 0's checkpoint of epoch 1, and what rank 1 saw.
 static CHECKPOINT_SEEN: std::sync::Mutex<Option<(std::path::PathBuf, Option<bool>)>> =
     std::sync::Mutex::new(None);
 
 /// An MLP whose rank-1 replica, at its first batch of epoch 2 (its 7th), records whether rank
 /// 0's checkpoint files of epoch 1 are on disk.
-#[derive(Module, Debug)]
-pub struct SeesCheckpoint<B: Backend> {
-    inner: Mlp<B>,
-}
-
-impl<B: AutodiffBackend> TrainStep for SeesCheckpoint<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        let n = BATCHES.with(|b| {
-            b.set(b.get() + 1);
-            b.get()
-        });
-        if n == 7
-            && std::thread::current().name() == Some("burn-ddp-rank-1")
+fn sees_checkpoint() -> Hooked<TestBackend, Mlp<TestBackend>> {
+    Hooked::new(Mlp::new(&device()), |call| {
+        if call.train_step_on(7, 1)
             && let Ok(mut seen) = CHECKPOINT_SEEN.lock()
             && let Some((dir, seen)) = seen.as_mut()
         {
@@ -502,17 +466,7 @@ impl<B: AutodiffBackend> TrainStep for SeesCheckpoint<B> {
                 .all(|f| std::fs::metadata(dir.join(f)).is_ok_and(|m| m.len() > 0));
             *seen = Some(complete);
         }
-        TrainStep::step(&self.inner, batch)
-    }
-}
-
-impl<B: Backend> InferenceStep for SeesCheckpoint<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
-        InferenceStep::step(&self.inner, batch)
-    }
+    })
 }
 
 #[test]
@@ -525,9 +479,7 @@ fn the_end_of_epoch_barrier_waits_until_rank_0s_checkpoint_is_on_disk() {
     run.epochs = 2;
     run.artifacts = Some(dir);
     run.slow_checkpoints = Some(Duration::from_millis(400));
-    let model = materialized(SeesCheckpoint {
-        inner: Mlp::new(&device()),
-    });
+    let model = materialized(sees_checkpoint());
     run_training(model, SgdConfig::new().init(), 0.1, &run).unwrap();
     let seen = CHECKPOINT_SEEN
         .lock()

@@ -171,7 +171,7 @@ impl std::fmt::Display for WorkerExit {
 
 /// How one attempt of the group ended, per local worker.
 #[derive(Debug, Clone)]
-pub struct AttemptReport {
+pub struct AttemptOutcome {
     /// Restart round (0 for the first attempt).
     pub attempt: u32,
     /// `(global rank, pid, how it ended)` of every local worker.
@@ -188,7 +188,7 @@ pub struct AttemptReport {
     pub left_early: Vec<(usize, u32)>,
 }
 
-impl AttemptReport {
+impl AttemptOutcome {
     /// The local workers that stopped after a stop signal, their checkpoint written (exit code
     /// [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE)).
     pub fn preempted(&self) -> Vec<usize> {
@@ -215,7 +215,7 @@ impl AttemptReport {
 /// signal (to the launcher or to its workers); [`DdpError::Store`] when node 0 cannot serve the
 /// store (port in use); [`DdpError::InvalidConfig`]; [`DdpError::Launch`] when a worker cannot be
 /// started.
-pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
+pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptOutcome>> {
     config.validate()?;
     let job = config.job()?;
     // Node 0 serves the store for the whole job, restarts included (port 0: any free port, which
@@ -235,7 +235,10 @@ pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptReport>> {
 ///
 /// # Errors
 /// As [`launch`].
-pub fn launch_with_store(config: &LaunchConfig, server: StoreServer) -> Result<Vec<AttemptReport>> {
+pub fn launch_with_store(
+    config: &LaunchConfig,
+    server: StoreServer,
+) -> Result<Vec<AttemptOutcome>> {
     config.validate()?;
     if config.node_rank != 0 {
         return Err(DdpError::InvalidConfig(format!(
@@ -251,7 +254,7 @@ fn run_job(
     config: &LaunchConfig,
     server: Option<StoreServer>,
     job: JobIdentity,
-) -> Result<Vec<AttemptReport>> {
+) -> Result<Vec<AttemptOutcome>> {
     let master_port = server
         .as_ref()
         .map_or(config.master_port, |s| s.local_addr().port());

@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::output::pump;
-use super::{AttemptReport, LaunchConfig, ROUND_KEY, WorkerExit};
+use super::{AttemptOutcome, LaunchConfig, ROUND_KEY, WorkerExit};
 use crate::auth::{JOB_TOKEN_VAR, JobIdentity};
 use crate::error::{DdpError, Result};
 use crate::store::StoreClient;
@@ -49,7 +49,7 @@ pub(super) fn run_attempt(
     attempt: u32,
     store: &StoreClient,
     job: &JobIdentity,
-) -> Result<AttemptReport> {
+) -> Result<AttemptOutcome> {
     let world_size = config.world_size();
     let ranks: Vec<usize> = (0..config.nproc_per_node)
         .map(|local| config.node_rank * config.nproc_per_node + local)
@@ -235,7 +235,7 @@ pub(super) fn run_attempt(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut report = AttemptReport {
+    let mut report = AttemptOutcome {
         attempt,
         workers: Vec::new(),
         first_failure: match first_failure {

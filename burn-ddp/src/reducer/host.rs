@@ -21,7 +21,7 @@ use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
 use crate::error::{DdpError, Result};
-use crate::hooks::{CommHook, HookReport, HostBucket};
+use crate::hooks::{CommHook, HookStats, HostBucket};
 use crate::replica::TensorSpec;
 
 /// The host buckets of a reducer: the hook that reduces them, and the agreed layout's buffers.
@@ -107,12 +107,12 @@ impl HostBuckets {
         };
         let mut phase = flatten(link, layout, specs, taken, buffers, control, options)?;
         let flattened = Instant::now();
-        let report = self.run_hook(link, layout, &mut phase.buffers, options)?;
+        let stats = self.run_hook(link, layout, &mut phase.buffers, options)?;
         link.stats.flatten += flattened - started;
         link.stats.all_reduce += flattened.elapsed();
         link.stats.buckets += layout.buckets().len() as u64;
-        link.stats.bytes += report.bytes;
-        link.stats.uncompressed_buckets += report.uncompressed_buckets;
+        link.stats.bytes += stats.bytes;
+        link.stats.uncompressed_buckets += stats.uncompressed_buckets;
         Ok(phase)
     }
 
@@ -124,8 +124,8 @@ impl HostBuckets {
         layout: &BucketLayout,
         buffers: &mut [Vec<f32>],
         options: &ReduceOptions,
-    ) -> Result<HookReport> {
-        let mut report = HookReport::default();
+    ) -> Result<HookStats> {
+        let mut stats = HookStats::default();
         let whole = self.hook.reduces_bookkeeping();
         let mut buckets: Vec<HostBucket<'_>> = buffers
             .iter_mut()
@@ -146,17 +146,17 @@ impl HostBuckets {
             &mut buckets,
             options.op,
             link.timeout,
-            &mut report,
+            &mut stats,
         )?;
         drop(buckets);
         if !whole && let Some(first) = buffers.first_mut() {
             let tail = &mut first[Tail::of(layout).flags..];
             if !tail.is_empty() {
                 link.group.all_reduce(tail, options.op, link.timeout)?;
-                report.bytes += tail.len() * 4;
+                stats.bytes += tail.len() * 4;
             }
         }
-        Ok(report)
+        Ok(stats)
     }
 }
 

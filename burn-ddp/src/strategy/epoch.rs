@@ -17,10 +17,10 @@ use burn::train::{
     TrainLoader, TrainStep, TrainingBackend, TrainingModel,
 };
 
+use super::events::{Events, Meta};
 use super::lock;
 use super::policy::{Agreement, OnNonFinite, StepPolicy, StopVote, end_of_data};
 use super::rank::{Comm, ModelOutput, Role, ValidOutput};
-use super::report::{Meta, Reports};
 use super::resume::{Resume, wait_for_epoch_checkpoint};
 use super::startup::Startup;
 use super::validation::{ValidShard, Validating};
@@ -34,7 +34,7 @@ use crate::metrics::{EpochReport, RankReport, TrainingReport};
 use crate::reducer::ReduceOutcome;
 
 /// The rank as the parts of its training see it ([`Comm`]), borrowing only the trainer's fields
-/// it names (so the role and the reports can be borrowed beside it).
+/// it names (so the role and the events can be borrowed beside it).
 macro_rules! comm {
     ($trainer:expr) => {
         Comm {
@@ -67,8 +67,8 @@ pub(super) struct Trainer<LC: LearningComponentsTypes> {
     pub average_buffers: bool,
     /// Where the run starts: batches of the first epoch to skip, counters so far.
     pub resume: Resume,
-    /// What rank 0 reports to burn-train of training.
-    pub reports: Reports<LC>,
+    /// What rank 0 hands burn-train as events of training.
+    pub events: Events<LC>,
     /// This process's loaders as the ranks compare them at start-up (the other fields are
     /// filled in by the rank).
     pub loaders: Startup,
@@ -150,7 +150,7 @@ struct Batch<LC: LearningComponentsTypes> {
     out_of_data: bool,
     /// What the ranks agreed on before the step (join mode).
     agreement: Option<Agreement>,
-    /// The step's output, for the reports (`None`: no batch).
+    /// The step's output, for rank 0's events (`None`: no batch).
     item: Option<ModelOutput<LC>>,
 }
 
@@ -225,7 +225,7 @@ where
             stop: None,
             local_samples: 0,
         };
-        self.reports.start(skip);
+        self.events.start(skip);
         let collectives_before = collectives.load(Ordering::Relaxed);
         loop {
             let next = self.step(&mut state, &mut *iterator, run, ddp, report)?;
@@ -293,7 +293,7 @@ where
             ),
             lr: Some(self.learner.lr_current()),
         };
-        self.reports.train(
+        self.events.train(
             &mut self.role,
             &comm!(self),
             state.step,
@@ -565,7 +565,7 @@ where
     fn end_epoch(&mut self, epoch: usize, trained: Trained, counters: &Counters) -> Result<bool> {
         let interrupted = trained.stop.is_some();
         let progress_global = &trained.progress_global;
-        self.reports
+        self.events
             .finish(&mut self.role, &comm!(self), progress_global)?;
         if let Role::Leader(leader) = &mut self.role {
             leader
@@ -577,7 +577,7 @@ where
             Validating {
                 comm: comm!(self),
                 role: &mut self.role,
-                reports: &mut self.reports,
+                events: &mut self.events,
                 interrupter: &self.interrupter,
                 progress_global,
             }

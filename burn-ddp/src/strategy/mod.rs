@@ -14,9 +14,9 @@
 //! starts from.
 
 mod epoch;
+mod events;
 mod policy;
 mod rank;
-mod report;
 mod resume;
 mod startup;
 mod validation;
@@ -38,8 +38,8 @@ use crate::error::{DdpError, Result};
 use crate::group::{ProcessGroup, ThreadGroup};
 use crate::metrics::TrainingReport;
 use epoch::Trainer;
+use events::Events;
 use rank::{Leader, Part, Role};
-use report::Reports;
 use resume::StepCheckpoints;
 use validation::{ValidShard, ValidationPlan};
 use worker::{run_all, split_train_loader};
@@ -449,7 +449,7 @@ where
     rank::ModelOutput<LC>: 'static,
     rank::ValidOutput<LC>: 'static,
 {
-    /// One training run: checks and shards, the resume, the ranks built and run, their reports.
+    /// One training run: checks and shards, the resume, the ranks built and run, their events.
     fn run(
         &self,
         components: TrainingComponents<LC>,
@@ -632,7 +632,7 @@ where
             && self.config.validation() == Validation::Sharded
             && (threads || codec.is_some());
         if world_size > 1 && first_rank == 0 {
-            let probe = Reports::<LC>::new(threads, self.config.metrics_every(), world_size);
+            let probe = Events::<LC>::new(threads, self.config.metrics_every(), world_size);
             if !probe.joins_training() {
                 crate::log::warn_console(&format!(
                     "the training output type ({}) is not one burn-ddp can join \
@@ -729,7 +729,7 @@ where
                     report: self.report.clone(),
                     average_buffers: !threads && world_size > 1,
                     resume: start.resume.clone(),
-                    reports: Reports::new(threads, self.config.metrics_every(), world_size),
+                    events: Events::new(threads, self.config.metrics_every(), world_size),
                     loaders: start.loaders,
                     run_id: start.run_id.clone(),
                     valid_shard,

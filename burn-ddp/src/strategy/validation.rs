@@ -24,8 +24,8 @@ use burn::train::{
     TrainingItem, ValidLoader,
 };
 
+use super::events::{Events, insert_train};
 use super::rank::{Comm, InnerBackend, Leader, ModelOutput, Part, Role, ValidOutput};
-use super::report::{Reports, insert_train};
 use super::wire::{bad_words, decode_entry, encode_entry, gather_words};
 use crate::error::{DdpError, Result};
 use crate::outputs::Codec;
@@ -124,8 +124,8 @@ struct InOrder<LC: LearningComponentsTypes> {
     reported: usize,
 }
 
-/// Where rank 0 reports validation items, and what it needs to number them.
-struct Reporting<'a, LC: LearningComponentsTypes> {
+/// Where rank 0 sends validation items (burn-train's events), and what it needs to number them.
+struct Sink<'a, LC: LearningComponentsTypes> {
     leader: &'a mut Leader<LC>,
     plan: ValidationPlan,
     progress_global: &'a Progress,
@@ -142,20 +142,20 @@ impl<LC: LearningComponentsTypes> InOrder<LC> {
     }
 
     /// Files `rank`'s output of its step `step`, and reports what is now next in order.
-    fn put(&mut self, to: &mut Reporting<'_, LC>, at: (usize, usize), output: ValidOutput<LC>) {
+    fn put(&mut self, to: &mut Sink<'_, LC>, at: (usize, usize), output: ValidOutput<LC>) {
         self.waiting.insert(at, output);
         self.advance(to);
     }
 
     /// `rank` validated `steps` batches.
-    fn done(&mut self, to: &mut Reporting<'_, LC>, rank: usize, steps: usize) {
+    fn done(&mut self, to: &mut Sink<'_, LC>, rank: usize, steps: usize) {
         if let Some(count) = self.counts.get_mut(rank) {
             *count = Some(steps);
         }
         self.advance(to);
     }
 
-    fn advance(&mut self, to: &mut Reporting<'_, LC>) {
+    fn advance(&mut self, to: &mut Sink<'_, LC>) {
         loop {
             if let Some(output) = self.waiting.remove(&self.next) {
                 self.report(to, self.next, output);
@@ -170,8 +170,8 @@ impl<LC: LearningComponentsTypes> InOrder<LC> {
         }
     }
 
-    /// Reports what is left (after a gap: a rank stopped early by the interrupter).
-    fn finish(mut self, to: &mut Reporting<'_, LC>) {
+    /// Events what is left (after a gap: a rank stopped early by the interrupter).
+    fn finish(mut self, to: &mut Sink<'_, LC>) {
         for (at, output) in std::mem::take(&mut self.waiting) {
             self.report(to, at, output);
         }
@@ -180,7 +180,7 @@ impl<LC: LearningComponentsTypes> InOrder<LC> {
     /// `rank`'s batch `step` as burn-train's item, numbered in one device's order.
     fn report(
         &mut self,
-        to: &mut Reporting<'_, LC>,
+        to: &mut Sink<'_, LC>,
         (rank, step): (usize, usize),
         output: ValidOutput<LC>,
     ) {
@@ -205,7 +205,7 @@ impl<LC: LearningComponentsTypes> InOrder<LC> {
 pub(super) struct Validating<'a, LC: LearningComponentsTypes> {
     pub comm: Comm<'a, LC>,
     pub role: &'a mut Role<LC>,
-    pub reports: &'a mut Reports<LC>,
+    pub events: &'a mut Events<LC>,
     pub interrupter: &'a Interrupter,
     pub progress_global: &'a Progress,
 }
@@ -248,7 +248,7 @@ where
                     let _ = sender.send(Part::Valid { rank, step, output });
                 }
                 Role::Leader(leader) => in_order.put(
-                    &mut Reporting {
+                    &mut Sink {
                         leader,
                         plan: shard.plan,
                         progress_global,
@@ -262,13 +262,13 @@ where
                 break;
             }
         }
-        if self.reports.threads {
+        if self.events.threads {
             self.collect_threads(shard, &mut in_order, steps)?;
         } else {
             self.collect_processes(shard, &mut in_order, kept)?;
         }
         if let Role::Leader(leader) = self.role {
-            in_order.finish(&mut Reporting {
+            in_order.finish(&mut Sink {
                 leader,
                 plan: shard.plan,
                 progress_global,
@@ -297,7 +297,7 @@ where
             }
             return Ok(());
         };
-        let mut to = Reporting {
+        let mut to = Sink {
             leader,
             plan: shard.plan,
             progress_global,
@@ -315,7 +315,7 @@ where
                     cause: format!("while rank 0 collected the validation outputs: {cause}"),
                 });
             }
-            let next = match self.reports.stash.pop_front() {
+            let next = match self.events.stash.pop_front() {
                 Some(part) => Ok(part),
                 // In slices, so an abort is seen within a tenth of a second.
                 None => {
@@ -336,7 +336,7 @@ where
                     done.insert(rank);
                 }
                 Ok(Part::Train { rank, step, output }) => {
-                    insert_train(self.reports, world_size, rank, step, output)
+                    insert_train(self.events, world_size, rank, step, output)
                 }
                 Err(waited) => {
                     return Err(DdpError::Unresponsive {
@@ -374,7 +374,7 @@ where
             return Ok(());
         };
         let device = self.comm.device.clone();
-        let mut to = Reporting {
+        let mut to = Sink {
             leader,
             plan: shard.plan,
             progress_global,

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use crate::config::DdpConfig;
 use crate::error::Result;
-use crate::group::{ExtendedCollectives, ProcessGroup};
+use crate::group::ProcessGroup;
 
 /// The process group a replica on `device` trains with: an [`NcclGroup`] over `host` (same
 /// ranks, NCCL id shared through `host`) when `device` is a burn-cuda device and the world has
@@ -44,7 +44,7 @@ pub(crate) fn group_for_device<D: std::any::Any>(
     if let Some(cuda) = (device as &dyn std::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>()
         && host.world_size() > 1
         // A group that already reduces device tensors (an `NcclGroup` the caller built) is kept.
-        && !host.reduces_device_tensors()
+        && !crate::group::ExtendedCollectives::reduces_device_tensors(host.as_ref())
     {
         let group = NcclGroup::new(host, cuda.index, NcclIdSource::HostGroup, config.timeout())?;
         return Ok(Arc::new(group));

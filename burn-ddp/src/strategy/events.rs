@@ -1,5 +1,5 @@
-//! What burn-train's renderer, metric loggers and metrics see of training: **one item per
-//! step**, the replicas' outputs of that step joined into the output of the global batch
+//! The events rank 0 hands burn-train: what its renderer, metric loggers and metrics see of
+//! training, **one item per step**, the replicas' outputs of that step joined into the output of the global batch
 //! ([`DistributedOutput`](crate::outputs::DistributedOutput)), with a monotone iteration number,
 //! in thread and in process mode alike. (Validation reports one item per batch: `validation.rs`.)
 //!
@@ -36,8 +36,8 @@ pub(super) struct Meta {
 /// batch).
 type Slots<T> = BTreeMap<usize, Vec<Option<Option<T>>>>;
 
-/// One rank's reporting state (see the [module docs](self)).
-pub(super) struct Reports<LC: LearningComponentsTypes> {
+/// One rank's training events on their way to burn-train (see the [module docs](self)).
+pub(super) struct Events<LC: LearningComponentsTypes> {
     /// The job's ranks are threads of this process.
     pub threads: bool,
     /// Process mode: steps between two sends of the outputs to rank 0.
@@ -45,7 +45,7 @@ pub(super) struct Reports<LC: LearningComponentsTypes> {
     train_codec: Option<Codec<ModelOutput<LC>, TrainingBackend<LC>>>,
     train: Slots<ModelOutput<LC>>,
     meta: BTreeMap<usize, Meta>,
-    /// The next step rank 0 reports.
+    /// The next step rank 0 events.
     next: usize,
     /// Steps this rank reported this epoch.
     steps: usize,
@@ -58,7 +58,7 @@ pub(super) struct Reports<LC: LearningComponentsTypes> {
     last_progress: Option<Progress>,
 }
 
-impl<LC: LearningComponentsTypes> Reports<LC>
+impl<LC: LearningComponentsTypes> Events<LC>
 where
     ModelOutput<LC>: 'static,
     ValidOutput<LC>: 'static,
@@ -85,22 +85,22 @@ where
     }
 }
 
-impl<LC: LearningComponentsTypes> Reports<LC>
+impl<LC: LearningComponentsTypes> Events<LC>
 where
     ModelOutput<LC>: 'static,
     ValidOutput<LC>: 'static,
 {
     /// A new epoch's reporting, from step `first` (the batches a resumed run skips).
     pub(super) fn start(&mut self, first: usize) {
-        let reports = self;
-        reports.stash.clear();
-        reports.train.clear();
-        reports.meta.clear();
-        reports.next = first;
-        reports.steps = first;
+        let events = self;
+        events.stash.clear();
+        events.train.clear();
+        events.meta.clear();
+        events.next = first;
+        events.steps = first;
     }
 
-    /// Reports this rank's output of training step `step` (0-based within the epoch; `None`: no
+    /// Events this rank's output of training step `step` (0-based within the epoch; `None`: no
     /// batch), with its progress (over all ranks) and learning rate.
     ///
     /// # Errors
@@ -122,7 +122,7 @@ where
         match role {
             Role::Follower(sender) => {
                 // Rank 0 only stops listening when training ends; a failed send means it is
-                // gone, which the next collective reports.
+                // gone, which the next collective events.
                 let _ = sender.send(Part::Train { rank, step, output });
                 return Ok(());
             }
@@ -256,21 +256,21 @@ where
 /// validation (`validation.rs`).
 fn drain_unjoined<LC: LearningComponentsTypes>(
     leader: &mut Leader<LC>,
-    reports: &mut Reports<LC>,
+    events: &mut Events<LC>,
     progress_global: &Progress,
 ) {
     while let Ok(part) = leader.items.try_recv() {
         let (step, output) = match part {
             Part::Train { step, output, .. } => (step, output),
             other => {
-                reports.stash.push_back(other);
+                events.stash.push_back(other);
                 continue;
             }
         };
         if let Some(output) = output {
             let item = TrainingItem::new(
                 output,
-                reports
+                events
                     .last_progress
                     .clone()
                     .unwrap_or_else(|| Progress::new(0, 0)),
@@ -287,13 +287,13 @@ fn drain_unjoined<LC: LearningComponentsTypes>(
 
 /// Files a training part under its step and rank.
 pub(super) fn insert_train<LC: LearningComponentsTypes>(
-    reports: &mut Reports<LC>,
+    events: &mut Events<LC>,
     world_size: usize,
     rank: usize,
     step: usize,
     output: Option<ModelOutput<LC>>,
 ) {
-    let slots = reports
+    let slots = events
         .train
         .entry(step)
         .or_insert_with(|| (0..world_size).map(|_| None).collect());
@@ -321,21 +321,21 @@ fn recv_until<LC: LearningComponentsTypes>(
 /// Files the parts that arrived (thread mode); with a `deadline`, waits for at least one.
 fn drain_parts<LC: LearningComponentsTypes>(
     leader: &mut Leader<LC>,
-    reports: &mut Reports<LC>,
+    events: &mut Events<LC>,
     deadline: Option<Instant>,
 ) -> Result<()> {
-    let world_size = reports.world_size;
+    let world_size = events.world_size;
     if let Some(deadline) = deadline {
         match recv_until(leader, deadline) {
             Ok(Part::Train { rank, step, output }) => {
-                insert_train(reports, world_size, rank, step, output)
+                insert_train(events, world_size, rank, step, output)
             }
-            Ok(other) => reports.stash.push_back(other),
+            Ok(other) => events.stash.push_back(other),
             Err(waited) => {
                 // The first rank whose part of the next step is missing.
-                let missing = reports
+                let missing = events
                     .train
-                    .get(&reports.next)
+                    .get(&events.next)
                     .and_then(|slots| slots.iter().position(Option::is_none))
                     .unwrap_or(0);
                 return Err(DdpError::Unresponsive {
@@ -348,9 +348,9 @@ fn drain_parts<LC: LearningComponentsTypes>(
     while let Ok(part) = leader.items.try_recv() {
         match part {
             Part::Train { rank, step, output } => {
-                insert_train(reports, world_size, rank, step, output)
+                insert_train(events, world_size, rank, step, output)
             }
-            other => reports.stash.push_back(other),
+            other => events.stash.push_back(other),
         }
     }
     Ok(())
@@ -359,23 +359,23 @@ fn drain_parts<LC: LearningComponentsTypes>(
 /// Rank 0 reports the steps whose parts are all there, in order: one joined item each.
 fn emit_ready<LC: LearningComponentsTypes>(
     leader: &mut Leader<LC>,
-    reports: &mut Reports<LC>,
+    events: &mut Events<LC>,
     progress_global: &Progress,
     device: &burn::tensor::Device<TrainingBackend<LC>>,
 ) where
     ModelOutput<LC>: 'static,
 {
-    let Some(codec) = reports.train_codec else {
+    let Some(codec) = events.train_codec else {
         return;
     };
-    while let Some(slots) = reports.train.get(&reports.next) {
+    while let Some(slots) = events.train.get(&events.next) {
         if slots.iter().any(Option::is_none) {
             return;
         }
-        let step = reports.next;
-        reports.next += 1;
-        let slots = reports.train.remove(&step).unwrap_or_default();
-        let meta = reports.meta.remove(&step);
+        let step = events.next;
+        events.next += 1;
+        let slots = events.train.remove(&step).unwrap_or_default();
+        let meta = events.meta.remove(&step);
         let parts: Vec<ModelOutput<LC>> = slots.into_iter().flatten().flatten().collect();
         let (Some(meta), false) = (meta, parts.is_empty()) else {
             continue;
