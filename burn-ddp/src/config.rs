@@ -20,6 +20,11 @@ pub const DEFAULT_FIRST_BUCKET_CAP_BYTES: usize = 1024 * 1024;
 /// at most 20 steps.
 pub const DEFAULT_METRICS_EVERY: usize = 20;
 
+/// Default spike factor: a gradient synchronisation over 3 times the running median is a spike
+/// ([`DdpConfig::with_spike_factor`]; our choice: PyTorch has no such check, and 3x stays clear
+/// of the jitter of a loaded CPU machine while catching a stalled link or a straggler).
+pub const DEFAULT_SPIKE_FACTOR: f64 = 3.0;
+
 pub use crate::sampler::DEFAULT_PREFETCH_FACTOR;
 
 /// Default timeout of the collectives that wait while rank 0 validates and writes checkpoints at
@@ -61,6 +66,7 @@ pub struct DdpConfig {
     validation: Validation,
     metrics_every: usize,
     summary: bool,
+    spike_factor: f64,
 }
 
 impl PartialEq for DdpConfig {
@@ -87,6 +93,7 @@ impl PartialEq for DdpConfig {
             && self.validation == other.validation
             && self.metrics_every == other.metrics_every
             && self.summary == other.summary
+            && self.spike_factor.to_bits() == other.spike_factor.to_bits()
     }
 }
 
@@ -175,6 +182,7 @@ impl Default for DdpConfig {
             validation: Validation::default(),
             metrics_every: DEFAULT_METRICS_EVERY,
             summary: true,
+            spike_factor: DEFAULT_SPIKE_FACTOR,
         }
     }
 }
@@ -351,7 +359,8 @@ impl DdpConfig {
     }
 
     /// Whether rank 0 prints the end-of-training summary (samples/s per epoch; per rank compute,
-    /// communication and optimizer time) to stderr (default `true`). The same figures are in
+    /// communication and optimizer time, utilization, synchronisation times and spikes, peak
+    /// memory) to stderr (default `true`). The same figures are in
     /// [`DdpStrategy::report`](crate::DdpStrategy::report).
     pub fn with_summary(mut self, summary: bool) -> Self {
         self.summary = summary;
@@ -361,6 +370,21 @@ impl DdpConfig {
     /// Whether rank 0 prints the end-of-training summary.
     pub fn summary(&self) -> bool {
         self.summary
+    }
+
+    /// A gradient synchronisation that takes more than `factor` times the median of the
+    /// previous 64 is a spike: counted in [`SyncTimes`](crate::metrics::SyncTimes), and the first
+    /// three on each rank logged as warnings naming the rank and the step (default
+    /// [`DEFAULT_SPIKE_FACTOR`], 3). `factor` must be above 1
+    /// ([`validate`](Self::validate)).
+    pub fn with_spike_factor(mut self, factor: f64) -> Self {
+        self.spike_factor = factor;
+        self
+    }
+
+    /// The spike factor.
+    pub fn spike_factor(&self) -> f64 {
+        self.spike_factor
     }
 
     /// Reduces the gradient buckets with `hook` instead of the built-in all-reduce (PyTorch's
@@ -490,7 +514,8 @@ impl DdpConfig {
     /// Checks the values.
     ///
     /// # Errors
-    /// [`DdpError::InvalidConfig`] for a zero timeout or a zero bucket cap.
+    /// [`DdpError::InvalidConfig`] for a zero timeout, a zero bucket cap, a clipping norm that
+    /// is not positive and finite, or a spike factor not above 1.
     pub fn validate(&self) -> Result<()> {
         if self.timeout.is_zero() || self.epoch_end_timeout.is_zero() {
             return Err(DdpError::InvalidConfig(format!(
@@ -509,6 +534,12 @@ impl DdpConfig {
             return Err(DdpError::InvalidConfig(format!(
                 "bucket caps must be positive, got bucket_cap_bytes {} and first_bucket_cap_bytes {}",
                 self.bucket_cap_bytes, self.first_bucket_cap_bytes
+            )));
+        }
+        if !(self.spike_factor.is_finite() && self.spike_factor > 1.0) {
+            return Err(DdpError::InvalidConfig(format!(
+                "the spike factor must be finite and above 1, got {}",
+                self.spike_factor
             )));
         }
         Ok(())

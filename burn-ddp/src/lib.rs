@@ -35,6 +35,7 @@ mod log;
 pub mod lr;
 pub mod mechanism;
 pub mod metrics;
+mod monitor;
 mod net;
 pub mod outputs;
 mod partition;

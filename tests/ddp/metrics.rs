@@ -199,3 +199,71 @@ fn the_renderer_sees_one_item_per_step_with_the_global_batch_metrics() {
     // Threads and processes train bit for bit alike, so they report the same numbers.
     assert_eq!(threads.updates, processes.updates);
 }
+
+/// The MLP whose rank-1 replica sleeps 400 ms in its 12th training step: rank 0 waits for it in
+/// that step's gradient synchronisation, a spike of rank 0's.
+fn straggling() -> Hooked<TestBackend, Mlp<TestBackend>> {
+    Hooked::new(Mlp::new(&device()), |call| {
+        if call.train_step_on(12, 1) {
+            std::thread::sleep(std::time::Duration::from_millis(400));
+        }
+    })
+}
+
+/// What the monitoring must show for every rank of a 2-rank run with [`straggling`].
+fn assert_monitored(report: &burn_ddp::metrics::TrainingReport, mode: &str) {
+    use std::time::Duration;
+    assert_eq!(report.ranks.len(), 2, "{mode}: one report per rank");
+    for (index, rank) in report.ranks.iter().enumerate() {
+        assert_eq!(rank.rank, index, "{mode}");
+        assert!(
+            rank.compute > Duration::ZERO && rank.train_time >= rank.compute,
+            "{mode}: rank {index}: compute {:?} within the loop's {:?}",
+            rank.compute,
+            rank.train_time
+        );
+        let utilization = rank.utilization();
+        assert!(
+            utilization > 0.0 && utilization <= 1.0,
+            "{mode}: {utilization}"
+        );
+        assert_eq!(
+            rank.sync.count, rank.comm.steps,
+            "{mode}: every synchronisation timed"
+        );
+        assert!(rank.sync.median <= rank.sync.p90 && rank.sync.p90 <= rank.sync.max);
+        assert_eq!(rank.sync.spike_factor, 3.0, "{mode}: the default factor");
+        if cfg!(target_os = "linux") {
+            assert!(rank.peak_memory.is_some_and(|b| b > 1 << 20), "{mode}");
+        }
+    }
+    let waited = &report.ranks[0].sync;
+    assert!(
+        waited.max >= Duration::from_millis(300) && waited.spikes >= 1,
+        "{mode}: rank 0 waited for the straggler: {waited:?}"
+    );
+    let summary = report.to_string();
+    for shown in ["utilization", "spike(s) over 3x the median", "peak memory"] {
+        assert!(summary.contains(shown), "{mode}: `{shown}` in\n{summary}");
+    }
+}
+
+#[test]
+fn the_report_shows_utilization_sync_spikes_and_memory_per_rank_in_threads_and_processes() {
+    let model = materialized(straggling());
+    let run = Run::new(Some(2), 16, 24 * 16);
+    let (_, report) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    assert_monitored(&report.expect("a DdpStrategy report"), "threads");
+    let reports = over_tcp(2, |_, group| {
+        let run = Run {
+            group: Some(group),
+            replicas: None,
+            ..run.clone()
+        };
+        run_training(model.clone(), SgdConfig::new().init(), 0.1, &run)
+            .unwrap()
+            .1
+    });
+    let rank0 = reports.into_iter().next().unwrap().unwrap();
+    assert_monitored(&rank0.expect("rank 0's report"), "processes");
+}

@@ -14,8 +14,8 @@ use burn_ddp::group::TcpGroupOptions;
 use burn_ddp::mechanism::topology::{Topology, TopologySource};
 use burn_ddp::{DdpConfig, DdpError, ProcessGroup, group::TcpGroup};
 use burn_ddp_tests::{
-    Batch, BnCnn, CountingScheduler, Hooked, Mlp, Run, TestBackend, copy_of, device, float_tensors,
-    materialized, max_relative_difference, run_training, with_values,
+    Batch, BnCnn, CountingScheduler, Hooked, Mlp, Recording, Run, TestBackend, ValidKind, copy_of,
+    device, float_tensors, materialized, max_relative_difference, run_training, with_values,
 };
 
 /// `M` (the MLP, or the BatchNorm CNN, whose forward pass then writes NaN into the replica's
@@ -410,6 +410,50 @@ fn sync_batch_norm_over_2_replicas_matches_batch_norm_on_one_device() {
         max_relative_difference(&two, &one) > 10.0 * diff.max(1e-6),
         "the per-replica statistics should make plain BatchNorm differ"
     );
+}
+
+#[test]
+fn a_resumed_run_validates_on_the_batches_of_the_uninterrupted_run() {
+    // A shuffled validation DistributedDataLoader: its order follows burn-train's epoch during
+    // validation too, so a run resumed after epoch 1 validates epoch 2 on the same batches.
+    let model = materialized(Mlp::new(&device()));
+    let mut run = Run::new(Some(2), 16, 4 * 16);
+    run.epochs = 2;
+    run.valid = ValidKind::Shuffled;
+    run.valid_samples = Some(24);
+    run.valid_batch = 4;
+    let epoch_2 = |recording: &Recording| -> Vec<Vec<(String, f64, usize)>> {
+        let (_, valid) = recording.seen();
+        valid
+            .items
+            .into_iter()
+            .filter(|item| item.epoch == 2)
+            .map(|item| item.metrics)
+            .collect()
+    };
+    run.artifacts = Some(scratch("valid-uninterrupted"));
+    let straight = Recording::default();
+    run.recording = Some(straight.clone());
+    run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+
+    run.artifacts = Some(scratch("valid-interrupted"));
+    run.epochs = 1;
+    run.recording = Some(Recording::default());
+    run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    run.epochs = 2;
+    run.resume_after = Some(1);
+    let resumed = Recording::default();
+    run.recording = Some(resumed.clone());
+    run_training(
+        materialized(Mlp::new(&device())),
+        SgdConfig::new().init(),
+        0.1,
+        &run,
+    )
+    .unwrap();
+    let expected = epoch_2(&straight);
+    assert_eq!(expected.len(), 6, "24 items in batches of 4");
+    assert_eq!(epoch_2(&resumed), expected);
 }
 
 #[test]

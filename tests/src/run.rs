@@ -34,6 +34,9 @@ use burn_ddp::{
 pub enum ValidKind {
     /// A `DistributedDataLoader` of world size 1 without shuffling.
     Distributed,
+    /// A `DistributedDataLoader` of world size 1 shuffled by epoch (its order follows
+    /// burn-train's epoch under `DdpStrategy`).
+    Shuffled,
     /// Burn's own `DataLoaderBuilder` loader (what the README tells a Burn user to keep).
     Plain,
 }
@@ -227,6 +230,13 @@ where
                 Arc::new(InMemDataset::new(valid.clone())),
                 batcher,
                 DistributedSampler::new(valid.len(), 1)?.without_shuffle(),
+                run.valid_batch,
+                device,
+            )?),
+            ValidKind::Shuffled => Arc::new(DistributedDataLoader::new(
+                Arc::new(InMemDataset::new(valid.clone())),
+                batcher,
+                DistributedSampler::new(valid.len(), 1)?,
                 run.valid_batch,
                 device,
             )?),

@@ -72,6 +72,8 @@ impl ProcessGroup for CountingGroup {
     }
 }
 
+impl crate::group::Sealed for CountingGroup {}
+
 impl Native for CountingGroup {
     fn all_reduce_half(
         &self,

@@ -1,6 +1,7 @@
 //! The collectives beyond [`ProcessGroup`]'s: the 16-bit all-reduce of gradient compression and
 //! the all-reduce of device tensors (NCCL). The crate's own groups run them natively (they
-//! implement [`Native`], which no other crate can name); for any other group,
+//! implement [`Native`], which is sealed: another crate can name it, to forward a wrapped
+//! group's, but not implement it); for any other group,
 //! [`ExtendedCollectives`] falls back to the `f32` all-reduce and to host buckets. So the trait a
 //! user implements stays small, and a user's group still works with compression (without the
 //! saving on the wire).
@@ -12,8 +13,17 @@ use super::collective::{HalfFloat, ReduceOp};
 use super::{ProcessGroup, reduce_widened};
 use crate::error::Result;
 
-/// The extended collectives of the crate's own process groups.
-pub trait Native: ProcessGroup {
+/// Keeps [`Native`] to the crate's own groups.
+mod sealed {
+    pub trait Sealed {}
+}
+pub(crate) use sealed::Sealed;
+
+/// The extended collectives of burn-ddp's own process groups (sealed: implemented by them only).
+/// A group of yours that wraps one of them forwards its
+/// [`native`](ProcessGroup::native): `fn native(&self) -> Option<&dyn Native> {
+/// self.inner.native() }`.
+pub trait Native: ProcessGroup + Sealed {
     /// As [`ExtendedCollectives::all_reduce_half`]; by default widened to `f32`.
     fn all_reduce_half(
         &self,

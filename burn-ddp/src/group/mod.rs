@@ -40,8 +40,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 pub use collective::{Collective, HalfFloat, ReduceOp};
-pub use extension::ExtendedCollectives;
-pub(crate) use extension::Native;
+pub(crate) use extension::Sealed;
+pub use extension::{ExtendedCollectives, Native};
 #[cfg(feature = "mpi")]
 pub use mpi::{MPI_ABORT_EXIT_CODE, MpiGroup, launched_by_mpi};
 #[cfg(test)]
@@ -150,9 +150,10 @@ pub trait ProcessGroup: Send + Sync {
         None
     }
 
-    /// The crate's own groups' native 16-bit and device collectives (see
-    /// [`ExtendedCollectives`]); other groups keep the default, `None`, and get the fallbacks.
-    #[doc(hidden)]
+    /// burn-ddp's own groups' native 16-bit and device collectives (see
+    /// [`ExtendedCollectives`]). Keep the default, `None` (your group gets the fallbacks), unless
+    /// your group wraps one of burn-ddp's: then forward it, `self.inner.native()`, so that NCCL
+    /// still reduces device buckets and TCP still sends 16-bit values.
     fn native(&self) -> Option<&dyn Native> {
         None
     }

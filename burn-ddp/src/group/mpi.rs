@@ -579,6 +579,8 @@ impl ProcessGroup for MpiGroup {
     }
 }
 
+impl crate::group::Sealed for MpiGroup {}
+
 impl Native for MpiGroup {
     /// Widened to `f32`, summed by MPI, then rounded to `format` at the end (MPI has no 16-bit float
     /// type). [`TcpGroup`](super::TcpGroup) rounds at every hop of its ring instead, so with 3 or

@@ -728,6 +728,8 @@ mod tests {
         }
     }
 
+    impl crate::group::Sealed for DeviceStaged {}
+
     impl Native for DeviceStaged {
         fn reduces_device_tensors(&self) -> bool {
             true

@@ -31,6 +31,7 @@ use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::lockstep::Position;
 use crate::metrics::{EpochReport, RankReport, TrainingReport};
+use crate::monitor::SyncWatch;
 use crate::reducer::ReduceOutcome;
 
 /// The rank as the parts of its training see it ([`Comm`]), borrowing only the trainer's fields
@@ -102,6 +103,8 @@ struct Run {
     counters: Counters,
     /// Which tensors are buffers (BatchNorm statistics): a skipped step restores them.
     buffers: Vec<bool>,
+    /// This rank's synchronisation times and spikes.
+    watch: SyncWatch,
 }
 
 /// One epoch's training in progress: where the loop is and what it has done.
@@ -175,8 +178,13 @@ where
             // BatchNorm statistics are updated in the forward pass: a skipped step must undo
             // that. Only buffers: frozen weights do not change.
             buffers: ddp.replica_layout().buffer_mask(),
+            watch: SyncWatch::new(self.config.spike_factor()),
         };
         for epoch in self.epochs.clone() {
+            // burn-train's epoch k is sampler epoch k - 1, for the training loader and for the
+            // validation loader at the epoch's end: a resumed run gets the orders the
+            // uninterrupted run would have had, without the user telling the loaders.
+            let _epoch = crate::sampler::enter_epoch(epoch as u64 - 1);
             let trained = self.train_epoch(epoch, &mut run, ddp, report, collectives)?;
             if let Some(Stop::Signal(signalled)) = trained.stop {
                 return Err(self.stop_for_signal(epoch, trained.step, &run.counters, signalled));
@@ -200,9 +208,6 @@ where
         let started = Instant::now();
         run.policy.start_epoch();
         let dataloader = self.dataloader.clone();
-        // burn-train's epoch k is sampler epoch k - 1: a resumed run gets the order the
-        // uninterrupted run would have had, without the user telling the loader.
-        let _epoch = crate::sampler::enter_epoch(epoch as u64 - 1);
         let mut iterator = dataloader.iter();
         // A run resumed from a step checkpoint skips the batches that were trained.
         let skip = if epoch == *self.epochs.start() {
@@ -234,6 +239,8 @@ where
             }
         }
         report.step_collectives += collectives.load(Ordering::Relaxed) - collectives_before;
+        report.train_time += started.elapsed();
+        report.sync = run.watch.times();
         Ok(Trained {
             steps: state.steps,
             step: state.step,
@@ -443,7 +450,9 @@ where
             lr_bits: self.learner.lr_current().to_bits(),
             probe: 0,
         };
+        let started = Instant::now();
         let (outcome, in_step) = ddp.sync_at(&self.learner.model(), grads, options, position)?;
+        let took = started.elapsed();
         let votes = StopVote::from_reduced(&outcome.words);
         if votes.out_of_data {
             // Some rank is out of data: every rank is here, and compares batch counts (one small
@@ -460,6 +469,8 @@ where
             return Ok(Next::EndOfData);
         }
         in_step?;
+        run.watch
+            .observe(self.rank, run.counters.synchronisations, took);
         run.counters.synchronisations += 1;
         let stepped = self.apply(state, outcome, run, report)?;
         self.sync_buffers(ddp)?;
@@ -572,7 +583,9 @@ where
                 .event_processor
                 .process_train(LearnerEvent::EndEpoch(epoch));
         }
-        if !interrupted {
+        // Without a shard, only rank 0 validates (alone); the others have nothing to do.
+        let validates = self.valid_shard.is_some() || matches!(self.role, Role::Leader(_));
+        if !interrupted && validates {
             let model = self.learner.model().valid();
             Validating {
                 comm: comm!(self),

@@ -45,7 +45,7 @@ pub(super) struct Events<LC: LearningComponentsTypes> {
     train_codec: Option<Codec<ModelOutput<LC>, TrainingBackend<LC>>>,
     train: Slots<ModelOutput<LC>>,
     meta: BTreeMap<usize, Meta>,
-    /// The next step rank 0 events.
+    /// The next step rank 0 hands burn-train.
     next: usize,
     /// Steps this rank reported this epoch.
     steps: usize,
@@ -100,7 +100,7 @@ where
         events.steps = first;
     }
 
-    /// Events this rank's output of training step `step` (0-based within the epoch; `None`: no
+    /// Sends this rank's output of training step `step` (0-based within the epoch; `None`: no
     /// batch), with its progress (over all ranks) and learning rate.
     ///
     /// # Errors
@@ -122,7 +122,7 @@ where
         match role {
             Role::Follower(sender) => {
                 // Rank 0 only stops listening when training ends; a failed send means it is
-                // gone, which the next collective events.
+                // gone, which the next collective reports.
                 let _ = sender.send(Part::Train { rank, step, output });
                 return Ok(());
             }

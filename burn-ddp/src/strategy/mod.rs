@@ -449,7 +449,7 @@ where
     rank::ModelOutput<LC>: 'static,
     rank::ValidOutput<LC>: 'static,
 {
-    /// One training run: checks and shards, the resume, the ranks built and run, their events.
+    /// One training run: checks and shards, the resume, the ranks built and run, their reports.
     fn run(
         &self,
         components: TrainingComponents<LC>,
@@ -740,7 +740,14 @@ where
 
     /// Files every rank's report, and on rank 0 prints the summary.
     fn finish(&self, ranks: Vec<crate::metrics::RankReport>, first_rank: usize) {
-        lock(&self.report).ranks = ranks;
+        {
+            // Rank 0 of a multi-process run may hold every process's reports already (gathered
+            // after the last epoch); otherwise this process's own.
+            let mut report = lock(&self.report);
+            if report.ranks.len() <= ranks.len() {
+                report.ranks = ranks;
+            }
+        }
         if self.config.summary() && first_rank == 0 {
             // The one-line switch gets the figures too, not only `launch_ddp` with a kept clone.
             let report = lock(&self.report).clone();

@@ -170,7 +170,7 @@ impl<LC: LearningComponentsTypes> InOrder<LC> {
         }
     }
 
-    /// Events what is left (after a gap: a rank stopped early by the interrupter).
+    /// Sends what is left (after a gap: a rank stopped early by the interrupter).
     fn finish(mut self, to: &mut Sink<'_, LC>) {
         for (at, output) in std::mem::take(&mut self.waiting) {
             self.report(to, at, output);

@@ -21,6 +21,7 @@ use super::startup::Startup;
 use crate::ddp::DistributedDataParallel;
 use crate::error::{DdpError, Result};
 use crate::group::counting::CountingGroup;
+use crate::group::lock;
 use crate::metrics::RankReport;
 
 /// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
@@ -137,9 +138,35 @@ where
     let result = trainer.train_epochs(&mut ddp, report, &collectives);
     // Counters also on failure: they tell how far the rank got.
     report.comm = ddp.comm_stats().clone();
+    report.peak_memory = crate::monitor::peak_resident_bytes();
     result?;
+    if !trainer.events.threads && trainer.group.world_size() > 1 {
+        gather_reports(trainer, report);
+    }
     *model_out = Some(trainer.learner.model());
     Ok(())
+}
+
+/// Process mode: every process's report goes to rank 0's summary (one all-gather after the
+/// last epoch). Training is done, so a failure here is a warning, not the run's error.
+fn gather_reports<LC: LearningComponentsTypes>(trainer: &Trainer<LC>, report: &RankReport) {
+    let words = report.to_words();
+    match trainer
+        .group
+        .all_gather(&words, trainer.config.timeout())
+        .map(|all| {
+            all.chunks(RankReport::WORDS)
+                .filter_map(RankReport::from_words)
+                .collect::<Vec<_>>()
+        }) {
+        Ok(ranks) if trainer.rank == 0 => lock(&trainer.report).ranks = ranks,
+        Ok(_) => {}
+        Err(err) => tracing::warn!(
+            "burn-ddp: rank {}: the other processes' reports could not be gathered for the \
+             summary: {err}",
+            trainer.rank
+        ),
+    }
 }
 
 /// Every rank's report, rank 0's model and event processor, and the root cause of a failure.

@@ -469,6 +469,8 @@ impl ProcessGroup for NcclGroup {
     }
 }
 
+impl crate::group::Sealed for NcclGroup {}
+
 impl Native for NcclGroup {
     fn reduces_device_tensors(&self) -> bool {
         true

@@ -410,6 +410,8 @@ impl ProcessGroup for TcpGroup {
     }
 }
 
+impl crate::group::Sealed for TcpGroup {}
+
 impl Native for TcpGroup {
     fn all_reduce_half(
         &self,
