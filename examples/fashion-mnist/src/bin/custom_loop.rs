@@ -111,15 +111,16 @@ fn run(args: &Args) -> Result<(), String> {
         train.truncate(limit);
     }
     let (train, test) = (Arc::new(train), Arc::new(dataset.test));
+    let model = initial_model(args.seed);
     let Some(group) = process_group().map_err(|e| e.to_string())? else {
-        // Threads: one rank each, sharing the dataset.
+        // Threads: one rank each, sharing the dataset, each starting from a copy of the model.
         let groups = ThreadGroup::new_group(args.workers).map_err(|e| e.to_string())?;
         return std::thread::scope(|s| {
             let ranks: Vec<_> = groups
                 .into_iter()
                 .map(|group| {
-                    let (train, test) = (train.clone(), test.clone());
-                    s.spawn(move || train_rank(Arc::new(group), args, &train, &test))
+                    let (train, test, model) = (train.clone(), test.clone(), model.clone());
+                    s.spawn(move || train_rank(Arc::new(group), model, args, &train, &test))
                 })
                 .collect();
             // Every rank joined; then the first failure (the others ended with it: the failing
@@ -134,17 +135,31 @@ fn run(args: &Args) -> Result<(), String> {
             results.into_iter().collect()
         });
     };
-    train_rank(group, args, &train, &test)
+    train_rank(group, model, args, &train, &test)
+}
+
+/// The model every rank starts from, drawn from `seed` on this thread. Burn's random generator
+/// is one per process and parameters are created when first used: replicas that are threads
+/// drawing their own would interleave their draws, and rank 0's starting point (which every
+/// replica copies) would change from run to run.
+fn initial_model(seed: u64) -> Cnn<B> {
+    let device = Default::default();
+    B::seed(&device, seed);
+    let model = Cnn::<B>::new(&device);
+    // Create the parameters now, from the seed, on this thread.
+    let _ = burn_ddp::mechanism::value_fingerprint(&model);
+    model
 }
 
 /// One rank's training: on failure, aborts the group so the other ranks stop at once.
 fn train_rank(
     group: Arc<dyn ProcessGroup>,
+    model: Cnn<B>,
     args: &Args,
     train: &[FashionItem],
     test: &[FashionItem],
 ) -> Result<(), String> {
-    let result = train_epochs(group.clone(), args, train, test);
+    let result = train_epochs(group.clone(), model, args, train, test);
     if let Err(message) = &result {
         group.abort(message);
     }
@@ -153,6 +168,7 @@ fn train_rank(
 
 fn train_epochs(
     group: Arc<dyn ProcessGroup>,
+    model: Cnn<B>,
     args: &Args,
     train: &[FashionItem],
     test: &[FashionItem],
@@ -165,15 +181,10 @@ fn train_epochs(
         ));
     }
     let device = Default::default();
-    B::seed(&device, args.seed);
     // Checks that every replica has the same layers, then copies rank 0's parameters to all.
-    let (mut ddp, mut model) = DistributedDataParallel::new(
-        group.clone(),
-        Cnn::<B>::new(&device),
-        &device,
-        DdpConfig::default(),
-    )
-    .map_err(|e| e.to_string())?;
+    let (mut ddp, mut model) =
+        DistributedDataParallel::new(group.clone(), model, &device, DdpConfig::default())
+            .map_err(|e| e.to_string())?;
     let mut optimizer = AdamConfig::new().init();
 
     // This rank's shard: a new global shuffle every epoch (the loader counts its epochs), padded
