@@ -414,7 +414,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
 /// [`DdpError::InvalidConfig`] naming the first such setting and what to do instead.
 fn custom_loop_settings(config: &DdpConfig) -> Result<()> {
     let default = DdpConfig::default();
-    let refused: [(bool, &str, &str); 8] = [
+    let refused: [(bool, &str, &str); 9] = [
         (
             config.checkpoint_dir().is_some(),
             "with_checkpoint_dir",
@@ -455,6 +455,11 @@ fn custom_loop_settings(config: &DdpConfig) -> Result<()> {
             config.epoch_end_timeout() != default.epoch_end_timeout(),
             "with_epoch_end_timeout",
             "a custom loop has no end-of-epoch meeting of burn-ddp's",
+        ),
+        (
+            config.spike_factor().to_bits() != default.spike_factor().to_bits(),
+            "with_spike_factor",
+            "time sync_gradients in your loop (DdpStrategy's report does it for its runs)",
         ),
     ];
     match refused.iter().find(|(set, _, _)| *set) {

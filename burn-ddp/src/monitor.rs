@@ -5,7 +5,8 @@
 //! A synchronisation is a **spike** when it takes more than `factor` times the median of the
 //! previous [`WINDOW`] synchronisations (once [`WARM_UP`] of them have been seen): counted, and
 //! the first [`WARNINGS`] are logged naming the rank, the step and the times. The distribution is
-//! kept in a histogram with eight buckets per doubling (quantiles within 9%), so a run of any
+//! kept in a histogram with eight buckets per doubling (quantiles within 9% above 10 µs, 14% at
+//! 2 µs), so a run of any
 //! length costs a fixed 3 KiB and a few hundred nanoseconds per step.
 
 use std::collections::VecDeque;
@@ -135,7 +136,7 @@ pub(crate) fn peak_resident_bytes() -> Option<u64> {
         .trim()
         .parse()
         .ok()?;
-    Some(kib * 1024)
+    kib.checked_mul(1024)
 }
 
 #[cfg(test)]

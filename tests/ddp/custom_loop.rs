@@ -354,6 +354,10 @@ fn the_strategy_settings_are_refused_by_the_wrapper_naming_them() {
             DdpConfig::default().with_buffer_sync(burn_ddp::config::BufferSync::Broadcast),
             "with_buffer_sync",
         ),
+        (
+            DdpConfig::default().with_spike_factor(5.0),
+            "with_spike_factor",
+        ),
     ];
     for (config, setting) in cases {
         let group: Arc<dyn ProcessGroup> = Arc::new(ThreadGroup::new_group(1).unwrap().remove(0));

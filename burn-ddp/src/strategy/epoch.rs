@@ -180,6 +180,7 @@ where
             buffers: ddp.replica_layout().buffer_mask(),
             watch: SyncWatch::new(self.config.spike_factor()),
         };
+        report.sync = run.watch.times();
         for epoch in self.epochs.clone() {
             // burn-train's epoch k is sampler epoch k - 1, for the training loader and for the
             // validation loader at the epoch's end: a resumed run gets the orders the
@@ -232,15 +233,18 @@ where
         };
         self.events.start(skip);
         let collectives_before = collectives.load(Ordering::Relaxed);
-        loop {
-            let next = self.step(&mut state, &mut *iterator, run, ddp, report)?;
-            if matches!(next, Next::EndOfData) || state.stop.is_some() {
-                break;
+        let ended = loop {
+            match self.step(&mut state, &mut *iterator, run, ddp, report) {
+                Ok(next) if matches!(next, Next::EndOfData) || state.stop.is_some() => break Ok(()),
+                Ok(_) => {}
+                Err(err) => break Err(err),
             }
-        }
+        };
+        // Also when a step failed: the report tells how far the rank got.
         report.step_collectives += collectives.load(Ordering::Relaxed) - collectives_before;
         report.train_time += started.elapsed();
         report.sync = run.watch.times();
+        ended?;
         Ok(Trained {
             steps: state.steps,
             step: state.step,

@@ -163,7 +163,8 @@ fn gather_reports<LC: LearningComponentsTypes>(trainer: &Trainer<LC>, report: &R
         Ok(_) => {}
         Err(err) => tracing::warn!(
             "burn-ddp: rank {}: the other processes' reports could not be gathered for the \
-             summary: {err}",
+             summary (training itself completed; the process group is aborted now and cannot \
+             be used again): {err}",
             trainer.rank
         ),
     }

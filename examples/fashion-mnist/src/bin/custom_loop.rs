@@ -113,13 +113,16 @@ fn run(args: &Args) -> Result<(), String> {
     let (train, test) = (Arc::new(train), Arc::new(dataset.test));
     let model = initial_model(args.seed);
     let Some(group) = process_group().map_err(|e| e.to_string())? else {
-        // Threads: one rank each, sharing the dataset, each starting from a copy of the model.
+        // Threads: one rank each, sharing the dataset, each starting from a copy of the model
+        // made from its record (a clone would share BatchNorm's running statistics).
         let groups = ThreadGroup::new_group(args.workers).map_err(|e| e.to_string())?;
         return std::thread::scope(|s| {
             let ranks: Vec<_> = groups
                 .into_iter()
                 .map(|group| {
-                    let (train, test, model) = (train.clone(), test.clone(), model.clone());
+                    let (train, test) = (train.clone(), test.clone());
+                    let model =
+                        Cnn::<B>::new(&Default::default()).load_record(model.clone().into_record());
                     s.spawn(move || train_rank(Arc::new(group), model, args, &train, &test))
                 })
                 .collect();
