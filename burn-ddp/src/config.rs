@@ -67,6 +67,7 @@ pub struct DdpConfig {
     metrics_every: usize,
     summary: bool,
     spike_factor: f64,
+    optimizer_sharding: bool,
 }
 
 impl PartialEq for DdpConfig {
@@ -94,6 +95,7 @@ impl PartialEq for DdpConfig {
             && self.metrics_every == other.metrics_every
             && self.summary == other.summary
             && self.spike_factor.to_bits() == other.spike_factor.to_bits()
+            && self.optimizer_sharding == other.optimizer_sharding
     }
 }
 
@@ -183,6 +185,7 @@ impl Default for DdpConfig {
             metrics_every: DEFAULT_METRICS_EVERY,
             summary: true,
             spike_factor: DEFAULT_SPIKE_FACTOR,
+            optimizer_sharding: false,
         }
     }
 }
@@ -387,6 +390,27 @@ impl DdpConfig {
         self.spike_factor
     }
 
+    /// Shards the optimizer state (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`): each rank
+    /// owns a share of the parameters (whole tensors, balanced by bytes: see
+    /// [`OptimizerShards`](crate::mechanism::OptimizerShards)), runs the optimizer step on its own
+    /// parameters only, so Burn's optimizer keeps state (Adam's two moments) for those only, and
+    /// the updated parameters are then all-gathered (one
+    /// [`all_gather_f32`](crate::group::ExtendedCollectives::all_gather_f32) per step). Optimizer
+    /// memory and time per rank fall by the world size; the gradients are still all-reduced, so
+    /// clipping, the NaN check and the hooks see them whole. Checkpoints hold the whole optimizer
+    /// state (gathered on rank 0), so a run resumes with another world size or without sharding.
+    /// Needs an optimizer whose record is kept per parameter (Burn's `OptimizerAdaptor`: SGD,
+    /// Adam, AdamW, RmsProp, ...). Default `false`. Every rank must use the same setting.
+    pub fn with_optimizer_sharding(mut self, shard: bool) -> Self {
+        self.optimizer_sharding = shard;
+        self
+    }
+
+    /// Whether the optimizer state is sharded.
+    pub fn optimizer_sharding(&self) -> bool {
+        self.optimizer_sharding
+    }
+
     /// Reduces the gradient buckets with `hook` instead of the built-in all-reduce (PyTorch's
     /// `register_comm_hook`; see [`hooks`](crate::hooks)). Every rank must install the same hook
     /// (its [name](crate::hooks::CommHook::name) is compared at start-up). The NaN/infinity
@@ -479,7 +503,7 @@ impl DdpConfig {
     /// across ranks at start-up.
     pub(crate) fn semantics_fingerprint(&self) -> u64 {
         let text = format!(
-            "{} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {} {}",
+            "{} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {} {} {}",
             self.bucket_cap_bytes,
             self.first_bucket_cap_bytes,
             self.clip_grad_norm.map(f32::to_bits),
@@ -491,7 +515,9 @@ impl DdpConfig {
             (self.validation, self.metrics_every),
             // Both run collectives at their cadence.
             self.consistency_check_every,
-            self.checkpoint_every
+            self.checkpoint_every,
+            // The parameters' all-gather runs every step.
+            self.optimizer_sharding
         );
         text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
             (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
@@ -576,6 +602,9 @@ impl fmt::Display for DdpConfig {
         }
         if self.resume {
             f.write_str(", resume")?;
+        }
+        if self.optimizer_sharding {
+            f.write_str(", optimizer state sharded")?;
         }
         if self.validation == Validation::Rank0 {
             f.write_str(", validation on rank 0")?;

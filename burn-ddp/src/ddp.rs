@@ -5,7 +5,8 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use burn::module::AutodiffModule;
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::{DdpConfig, NonFinite};
@@ -19,6 +20,8 @@ use crate::replica::{
     Replica, ReplicaLayout, average_selected, broadcast_autodiff_module, broadcast_selected,
     verify_values_across,
 };
+use crate::sharding::OptimizerShards;
+use crate::sharding::state::{gather_record, own_record};
 
 /// Gradient synchronisation for one replica of a model, for training loops you write yourself.
 ///
@@ -83,6 +86,8 @@ pub struct DistributedDataParallel<B: AutodiffBackend> {
     syncs: u64,
     /// What shows a different optimizer in the first steps.
     probe: Probe,
+    /// Who owns which parameters, with [`DdpConfig::with_optimizer_sharding`].
+    shards: Option<OptimizerShards>,
     /// `burn_ddp::rank()` on the thread that built this wrapper.
     _rank: RankHold,
     _backend: PhantomData<B>,
@@ -128,10 +133,13 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             Self {
                 reducer,
                 device: device.clone(),
-                config,
                 syncs: 0,
                 probe: Probe::new(&layout),
+                shards: config
+                    .optimizer_sharding()
+                    .then(|| OptimizerShards::new(&layout, group.rank(), group.world_size())),
                 _rank: rank,
+                config,
                 _backend: PhantomData,
             },
             module,
@@ -359,6 +367,68 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             step,
             self.config.timeout(),
         )
+    }
+
+    /// The optimizer step on the synchronised `grads`: `optim.step(lr, module, grads)`, or,
+    /// with [`DdpConfig::with_optimizer_sharding`], the step of this rank's own parameters
+    /// followed by the all-gather of every rank's ([`OptimizerShards`]: the optimizer keeps
+    /// state for this rank's parameters only). Every rank must call it once per
+    /// [`sync_gradients`](Self::sync_gradients), with the module the gradients are of.
+    ///
+    /// # Errors
+    /// With sharding, the all-gather's ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...).
+    pub fn optimizer_step<M: AutodiffModule<B>, O: Optimizer<M, B>>(
+        &self,
+        optim: &mut O,
+        lr: f64,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<M> {
+        let Some(shards) = &self.shards else {
+            return Ok(optim.step(lr, module, grads));
+        };
+        shards.keep_own(&module, &mut grads);
+        let module = optim.step(lr, module, grads);
+        shards.gather(module, self.reducer.group().as_ref(), self.config.timeout())
+    }
+
+    /// Who owns which parameters, with [`DdpConfig::with_optimizer_sharding`].
+    pub fn optimizer_shards(&self) -> Option<&OptimizerShards> {
+        self.shards.as_ref()
+    }
+
+    /// The whole optimizer state for a checkpoint: with sharding, every rank's share joined on
+    /// rank 0 (`Some` there, `None` elsewhere; every rank must call it); without, `record` itself
+    /// on rank 0. Save what rank 0 gets: any world size, with or without sharding, resumes from
+    /// it ([`own_optimizer_record`](Self::own_optimizer_record)).
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidConfig`] when the optimizer's record is not kept per parameter (Burn's
+    /// `OptimizerAdaptor` is); the collectives' errors.
+    pub fn gather_optimizer_record<R: Record<B>>(&self, record: R) -> Result<Option<R>> {
+        match &self.shards {
+            Some(shards) => gather_record(
+                shards,
+                record,
+                self.reducer.group().as_ref(),
+                self.config.timeout(),
+                &self.device,
+            ),
+            None => Ok((self.rank() == 0).then_some(record)),
+        }
+    }
+
+    /// This rank's share of a whole optimizer `record` (one loaded from a checkpoint), with
+    /// sharding; `record` itself without. Load the result into the optimizer before the first
+    /// step.
+    ///
+    /// # Errors
+    /// As [`gather_optimizer_record`](Self::gather_optimizer_record), without the collectives'.
+    pub fn own_optimizer_record<R: Record<B>>(&self, record: R) -> Result<R> {
+        match &self.shards {
+            Some(shards) => own_record(shards, record, &self.device),
+            None => Ok(record),
+        }
     }
 
     /// This rank.

@@ -43,6 +43,7 @@ mod reducer;
 mod rendezvous;
 mod replica;
 mod sampler;
+mod sharding;
 mod signals;
 mod store;
 mod strategy;

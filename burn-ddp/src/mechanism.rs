@@ -12,6 +12,7 @@ pub use crate::replica::{
     average_buffers, broadcast_buffers, broadcast_module, fingerprints_of, tensor_fingerprints,
     value_fingerprint, verify_values_across,
 };
+pub use crate::sharding::OptimizerShards;
 pub use crate::sync_bn::SyncBatchNormGuard;
 pub use crate::topology::{Topology, TopologySource};
 

@@ -98,11 +98,16 @@ pub struct RankReport {
     /// threads of one process share it); `None` where the system does not tell. Device memory
     /// on CUDA is not reported yet.
     pub peak_memory: Option<u64>,
+    /// Bytes of this rank's optimizer state at the end of training (the tensors of its record
+    /// at full precision: Adam's two moments of every parameter it steps; with
+    /// [`DdpConfig::with_optimizer_sharding`](crate::DdpConfig::with_optimizer_sharding), of its
+    /// own parameters only). `None` where the optimizer's record is not kept per parameter.
+    pub optimizer_state: Option<u64>,
 }
 
 impl RankReport {
     /// Words of [`to_words`](Self::to_words).
-    pub(crate) const WORDS: usize = 23;
+    pub(crate) const WORDS: usize = 24;
 
     /// The report as fixed-length words, for gathering every process's report on rank 0.
     pub(crate) fn to_words(&self) -> Vec<u64> {
@@ -132,6 +137,7 @@ impl RankReport {
             self.sync.spikes,
             self.sync.spike_factor.to_bits(),
             self.peak_memory.unwrap_or(u64::MAX),
+            self.optimizer_state.unwrap_or(u64::MAX),
         ]
     }
 
@@ -169,6 +175,7 @@ impl RankReport {
                 spike_factor: f64::from_bits(w[21]),
             },
             peak_memory: (w[22] != u64::MAX).then_some(w[22]),
+            optimizer_state: (w[23] != u64::MAX).then_some(w[23]),
         })
     }
 
@@ -220,6 +227,11 @@ pub struct TrainingReport {
     pub ranks: Vec<RankReport>,
 }
 
+/// `bytes` in MiB, for the summary.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
 impl fmt::Display for TrainingReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "burn-ddp report, world size {}", self.world_size)?;
@@ -254,17 +266,15 @@ impl fmt::Display for TrainingReport {
             writeln!(
                 f,
                 "          utilization {:.0}%, synchronisation median {:.1?}, p90 {:.1?}, max \
-                 {:.1?}, {} spike(s) over {}x the median, peak memory {}",
+                 {:.1?}, {} spike(s) over {}x the median, peak memory {}, optimizer state {}",
                 100.0 * r.utilization(),
                 r.sync.median,
                 r.sync.p90,
                 r.sync.max,
                 r.sync.spikes,
                 r.sync.spike_factor,
-                r.peak_memory.map_or("unknown".to_string(), |b| format!(
-                    "{:.0} MiB",
-                    b as f64 / (1024.0 * 1024.0)
-                )),
+                r.peak_memory.map_or("unknown".to_string(), mib),
+                r.optimizer_state.map_or("unknown".to_string(), mib),
             )?;
         }
         Ok(())
@@ -463,12 +473,14 @@ mod tests {
                 spike_factor: 3.0,
             },
             peak_memory: Some(123 << 20),
+            optimizer_state: Some(45 << 20),
         };
         let words = report.to_words();
         assert_eq!(words.len(), RankReport::WORDS);
         assert_eq!(RankReport::from_words(&words), Some(report.clone()));
         let unknown = RankReport {
             peak_memory: None,
+            optimizer_state: None,
             ..report
         };
         assert_eq!(RankReport::from_words(&unknown.to_words()), Some(unknown));

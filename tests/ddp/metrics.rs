@@ -267,3 +267,61 @@ fn the_report_shows_utilization_sync_spikes_and_memory_per_rank_in_threads_and_p
     let rank0 = reports.into_iter().next().unwrap().unwrap();
     assert_monitored(&rank0.expect("rank 0's report"), "processes");
 }
+
+#[test]
+fn sharding_splits_the_optimizer_state_between_the_ranks_in_threads_and_processes() {
+    use burn::optim::AdamConfig;
+    use burn_ddp::DdpConfig;
+    use burn_ddp::metrics::TrainingReport;
+    let model = materialized(Mlp::new(&device()));
+    let run = Run::new(Some(2), 16, 4 * 16);
+    let states = |report: &TrainingReport| -> Vec<u64> {
+        report
+            .ranks
+            .iter()
+            .map(|r| {
+                r.optimizer_state
+                    .expect("Adam's record is kept per parameter")
+            })
+            .collect()
+    };
+    let (_, replicated) =
+        run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run).unwrap();
+    let replicated = states(&replicated.unwrap());
+    assert_eq!(
+        replicated[0], replicated[1],
+        "every replica holds the whole state"
+    );
+    let sharded = Run {
+        config: DdpConfig::default().with_optimizer_sharding(true),
+        ..run.clone()
+    };
+    let (_, threads) =
+        run_training(model.clone(), AdamConfig::new().init(), 1e-2, &sharded).unwrap();
+    let threads = threads.unwrap();
+    let reports = over_tcp(2, |_, group| {
+        let run = Run {
+            group: Some(group),
+            replicas: None,
+            ..sharded.clone()
+        };
+        run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run)
+            .unwrap()
+            .1
+    });
+    let processes = reports.into_iter().next().unwrap().unwrap().unwrap();
+    for (mode, report) in [("threads", &threads), ("processes", &processes)] {
+        let shares = states(report);
+        assert_eq!(
+            shares.iter().sum::<u64>(),
+            replicated[0],
+            "{mode}: the shares {shares:?} make up the whole state"
+        );
+        assert!(
+            shares.iter().all(|&s| 0 < s && s < replicated[0]),
+            "{mode}: every rank holds a part: {shares:?} of {}",
+            replicated[0]
+        );
+        assert!(report.to_string().contains("optimizer state"), "{mode}");
+    }
+}

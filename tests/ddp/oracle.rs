@@ -89,6 +89,8 @@ struct Case {
     sched: Scheduler,
     accumulation: Option<usize>,
     clip: bool,
+    /// Optimizer-state sharding (ZeRO-1) on the burn-ddp side.
+    shard: bool,
     /// Training samples (divisible by the world size unless `join`).
     samples: usize,
     /// Samples per step over all ranks.
@@ -285,6 +287,7 @@ fn observe(case: &Case, replicas: Option<usize>) -> Observed {
                     if case.clip {
                         run.config = run.config.clone().with_clip_grad_norm(CLIP);
                     }
+                    run.config = run.config.clone().with_optimizer_sharding(case.shard);
                     train(&case, &run)
                 });
                 let mut sides = results.into_iter().map(|r| r.unwrap());
@@ -321,7 +324,9 @@ fn run_of(case: &Case, replicas: Option<usize>) -> Run {
     }
     if replicas.is_some() {
         // Thread ranks return rank 0's model only: every rank is compared every step.
-        config = config.with_consistency_check_every(1);
+        config = config
+            .with_consistency_check_every(1)
+            .with_optimizer_sharding(case.shard);
     }
     run.config = config;
     run
@@ -693,6 +698,7 @@ fn base() -> Case {
         sched: Scheduler::Constant,
         accumulation: None,
         clip: false,
+        shard: false,
         samples: 48,
         global_batch: 16,
         join: false,
@@ -806,6 +812,55 @@ fn core() -> Vec<Case> {
             transport: Transport::Tcp,
             ..b
         },
+        // Optimizer-state sharding: Adam, SGD with momentum and a frozen layer, AdamW with
+        // weight decay on a layer unfrozen later and 3 ranks, a shared weight, clipping with a
+        // step schedule, accumulation with warm-up and cosine, TCP with SyncBatchNorm.
+        Case { shard: true, ..b },
+        Case {
+            shard: true,
+            model: Model::Frozen,
+            opt: Opt::SgdMomentum,
+            ..b
+        },
+        Case {
+            shard: true,
+            model: Model::Unfrozen,
+            opt: Opt::AdamW,
+            world: 3,
+            samples: 54,
+            global_batch: 18,
+            ..b
+        },
+        Case {
+            shard: true,
+            model: Model::Tied,
+            world: 4,
+            samples: 64,
+            ..b
+        },
+        Case {
+            shard: true,
+            clip: true,
+            opt: Opt::SgdMomentum,
+            sched: Scheduler::StepDecay,
+            world: 3,
+            global_batch: 12,
+            ..b
+        },
+        Case {
+            shard: true,
+            sched: Scheduler::WarmupCosine,
+            accumulation: Some(2),
+            opt: Opt::AdamW,
+            ..b
+        },
+        Case {
+            shard: true,
+            model: Model::SyncBn,
+            opt: Opt::SgdMomentum,
+            transport: Transport::Tcp,
+            ..b
+        },
     ]
 }
 
@@ -856,6 +911,7 @@ fn random(rng: &mut Rng) -> Case {
         // Join refuses gradient accumulation and SyncBatchNorm.
         accumulation: (!join && rng.below(3) == 0).then_some(2),
         clip: rng.below(3) == 0,
+        shard: rng.below(3) == 0,
         samples,
         global_batch: world * per_rank,
         join,

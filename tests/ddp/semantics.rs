@@ -301,6 +301,58 @@ fn resuming_from_a_checkpoint_gives_the_parameters_of_the_uninterrupted_run() {
 }
 
 #[test]
+fn a_sharded_run_checkpoints_the_whole_optimizer_state_and_resumes_with_any_world_size() {
+    let model = materialized(Mlp::new(&device()));
+    let adam = || AdamConfig::new().init();
+    // The reference: plain Burn on one device, two epochs of batches of 16.
+    let mut single = Run::new(None, 16, 6 * 16);
+    single.epochs = 2;
+    let (reference, _) = run_training(model.clone(), adam(), 1e-2, &single).unwrap();
+    // Two ranks with the optimizer state sharded, uninterrupted.
+    let mut run = Run::new(Some(2), 16, 6 * 16);
+    run.epochs = 2;
+    run.config = DdpConfig::default().with_optimizer_sharding(true);
+    run.artifacts = Some(scratch("sharded-uninterrupted"));
+    let (straight, _) = run_training(model.clone(), adam(), 1e-2, &run).unwrap();
+    let diff = max_relative_difference(&straight, &reference);
+    assert!(
+        diff <= 1e-3,
+        "sharded 2 ranks differ from one device by {diff}"
+    );
+    // Stopped after epoch 1: rank 0's checkpoint must hold every rank's Adam moments ...
+    let dir = scratch("sharded-interrupted");
+    run.artifacts = Some(dir.clone());
+    run.epochs = 1;
+    run_training(model.clone(), adam(), 1e-2, &run).unwrap();
+    run.epochs = 2;
+    run.resume_after = Some(1);
+    // ... so the run resumes bit for bit on 2 sharded ranks, and as one device's (Adam's
+    // rounding: 1e-3) on 4 sharded ranks and on 2 without sharding. A checkpoint with rank 0's
+    // share only would restart the other parameters' moments: a step of the learning rate's
+    // size, far outside the tolerance.
+    let resumed = |replicas: usize, shard: bool| {
+        let mut run = run.clone();
+        run.replicas = Some(replicas);
+        run.config = DdpConfig::default().with_optimizer_sharding(shard);
+        run_training(materialized(Mlp::new(&device())), adam(), 1e-2, &run)
+            .unwrap()
+            .0
+    };
+    assert_eq!(
+        resumed(2, true),
+        straight,
+        "resumed on the same 2 sharded ranks"
+    );
+    for (replicas, shard) in [(4, true), (2, false)] {
+        let diff = max_relative_difference(&resumed(replicas, shard), &reference);
+        assert!(
+            diff <= 1e-3,
+            "resumed on {replicas} ranks (sharding {shard}) differs from one device by {diff}"
+        );
+    }
+}
+
+#[test]
 fn join_mode_with_11_samples_2_ranks_batch_5_equals_single_device_training() {
     let model = materialized(Mlp::new(&device()));
     // Reference: one device, batches of 10 (the two ranks' 5 + 5), then 1.

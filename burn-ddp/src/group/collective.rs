@@ -46,6 +46,20 @@ pub enum Collective {
         /// Number of `u64` values contributed by each rank.
         len: usize,
     },
+    /// Every rank contributes `len` `f32` values and receives everyone's, rank-major, bit for
+    /// bit (a copy: no arithmetic).
+    AllGatherF32 {
+        /// Number of `f32` values contributed by each rank.
+        len: usize,
+    },
+    /// Every rank contributes `world_size * len` `f32` values; rank `r` receives the reduction
+    /// of block `r` (elements `r * len .. (r + 1) * len`) over the ranks.
+    ReduceScatter {
+        /// The reduction.
+        op: ReduceOp,
+        /// Number of `f32` elements each rank receives.
+        len: usize,
+    },
     /// In-place all-reduce of `len` 16-bit floats.
     AllReduceHalf {
         /// The reduction.
@@ -115,6 +129,8 @@ impl Collective {
                         HalfFloat::F16 => 2,
                     },
             ),
+            Collective::AllGatherF32 { len } => (6, len as u64, 0),
+            Collective::ReduceScatter { op, len } => (7, len as u64, op_code(op)),
         }
     }
 
@@ -145,6 +161,8 @@ impl Collective {
                     HalfFloat::F16
                 },
             },
+            6 => Collective::AllGatherF32 { len },
+            7 => Collective::ReduceScatter { op: op(arg), len },
             _ => return None,
         })
     }
@@ -157,6 +175,8 @@ impl Collective {
             Collective::Barrier => "barrier",
             Collective::AllGather { .. } => "all_gather",
             Collective::AllReduceHalf { .. } => "all_reduce_half",
+            Collective::AllGatherF32 { .. } => "all_gather_f32",
+            Collective::ReduceScatter { .. } => "reduce_scatter",
         }
     }
 }
@@ -172,6 +192,10 @@ impl fmt::Display for Collective {
             Collective::AllGather { len } => write!(f, "all_gather({len} u64)"),
             Collective::AllReduceHalf { op, len, format } => {
                 write!(f, "all_reduce_half({op}, {len} {format})")
+            }
+            Collective::AllGatherF32 { len } => write!(f, "all_gather_f32({len} f32)"),
+            Collective::ReduceScatter { op, len } => {
+                write!(f, "reduce_scatter({op}, {len} f32 per rank)")
             }
         }
     }

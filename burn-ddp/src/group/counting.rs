@@ -9,7 +9,7 @@ use super::{ExtendedCollectives, HalfFloat, Native, ProcessGroup, ReduceOp};
 use crate::error::Result;
 
 /// Forwards every call to `inner`, counting each collective (all-reduce, broadcast, barrier,
-/// all-gather, device all-reduce) once, whatever its size.
+/// all-gather, device all-reduce, `f32` all-gather, reduce-scatter) once, whatever its size.
 pub(crate) struct CountingGroup {
     inner: Arc<dyn ProcessGroup>,
     count: Arc<AtomicU64>,
@@ -98,6 +98,22 @@ impl Native for CountingGroup {
     ) -> Result<bool> {
         self.counted();
         self.inner.all_reduce_device(tensor, op, timeout)
+    }
+
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], timeout: Duration) -> Result<()> {
+        self.counted();
+        self.inner.all_gather_f32(send, recv, timeout)
+    }
+
+    fn reduce_scatter(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.counted();
+        self.inner.reduce_scatter(send, recv, op, timeout)
     }
 }
 

@@ -164,7 +164,7 @@ pub(crate) mod tests {
     use super::*;
 
     /// One call of every kind, with different arguments (for encoding tests).
-    pub(crate) fn every_kind() -> [Collective; 7] {
+    pub(crate) fn every_kind() -> [Collective; 10] {
         [
             Collective::AllReduce {
                 op: ReduceOp::Avg,
@@ -186,6 +186,15 @@ pub(crate) mod tests {
                 op: ReduceOp::Sum,
                 len: 5,
                 format: HalfFloat::Bf16,
+            },
+            Collective::AllGatherF32 { len: 2 },
+            Collective::ReduceScatter {
+                op: ReduceOp::Avg,
+                len: 4,
+            },
+            Collective::ReduceScatter {
+                op: ReduceOp::Sum,
+                len: 4,
             },
         ]
     }

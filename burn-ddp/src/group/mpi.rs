@@ -49,6 +49,7 @@ use mpi::request::Request;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+use super::extension::check_blocks;
 use super::{Collective, HalfFloat, Native, ProcessGroup, ReduceOp, backoff, lock, reduce_widened};
 use crate::error::{DdpError, Result};
 
@@ -611,6 +612,58 @@ impl Native for MpiGroup {
             }
             Ok(())
         })
+    }
+
+    /// `MPI_Iallgather` of the `f32` values (a copy: every bit kept).
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], timeout: Duration) -> Result<()> {
+        let len = send.len();
+        check_blocks(self, "all_gather_f32", len, recv.len())?;
+        let call = self.begin(Collective::AllGatherF32 { len }, timeout)?;
+        if self.world_size == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        let comm = lock(&self.comm);
+        self.check(&comm, &call)?;
+        mpi::request::scope(|scope| {
+            let request = comm.world.immediate_all_gather_into(scope, send, recv);
+            self.complete(&call, request);
+        });
+        Ok(())
+    }
+
+    /// `MPI_Ireduce_scatter_block` with `MPI_SUM` (MPI's summation order), then the division of
+    /// an average.
+    fn reduce_scatter(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let len = recv.len();
+        check_blocks(self, "reduce_scatter", len, send.len())?;
+        let call = self.begin(Collective::ReduceScatter { op, len }, timeout)?;
+        if self.world_size == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        let comm = lock(&self.comm);
+        self.check(&comm, &call)?;
+        mpi::request::scope(|scope| {
+            let request = comm.world.immediate_reduce_scatter_block_into(
+                scope,
+                send,
+                recv,
+                SystemOperation::sum(),
+            );
+            self.complete(&call, request);
+        });
+        if op == ReduceOp::Avg {
+            let divisor = self.world_size as f32;
+            recv.iter_mut().for_each(|v| *v /= divisor);
+        }
+        Ok(())
     }
 }
 

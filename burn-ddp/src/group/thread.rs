@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Collective, ProcessGroup, ReduceOp};
+use super::extension::check_blocks;
+use super::{Collective, Native, ProcessGroup, ReduceOp};
 use crate::error::{DdpError, Result};
 use crate::partition::chunk_range;
 
@@ -423,6 +424,42 @@ unsafe fn reduce_range(addrs: &[usize], first: usize, range: std::ops::Range<usi
     }
 }
 
+/// Writes into `out` the reduction of `range` of every buffer in `addrs`, summed in ring order
+/// from rank `first` (as [`reduce_range`], without writing the buffers): rank `first`'s block of
+/// a reduce-scatter.
+///
+/// # Safety
+/// Every address in `addrs` points to a live `f32` buffer of at least `range.end` elements that
+/// no thread writes during the call; `out` has `range.len()` elements and is none of them.
+unsafe fn reduce_into(
+    addrs: &[usize],
+    first: usize,
+    range: std::ops::Range<usize>,
+    out: &mut [f32],
+    op: ReduceOp,
+) {
+    let n = addrs.len();
+    let block = |i: usize| {
+        // SAFETY: per the function contract.
+        unsafe {
+            std::slice::from_raw_parts(
+                (addrs[(first + i) % n] as *const f32).add(range.start),
+                range.len(),
+            )
+        }
+    };
+    out.copy_from_slice(block(0));
+    for i in 1..n {
+        for (o, s) in out.iter_mut().zip(block(i)) {
+            *o += *s;
+        }
+    }
+    if op == ReduceOp::Avg {
+        let divisor = n as f32;
+        out.iter_mut().for_each(|o| *o /= divisor);
+    }
+}
+
 impl ProcessGroup for ThreadGroup {
     fn rank(&self) -> usize {
         self.rank
@@ -531,6 +568,59 @@ impl ProcessGroup for ThreadGroup {
 
     fn aborted(&self) -> Option<String> {
         self.lock().aborted.clone()
+    }
+
+    fn native(&self) -> Option<&dyn Native> {
+        Some(self)
+    }
+}
+
+impl super::Sealed for ThreadGroup {}
+
+impl Native for ThreadGroup {
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], timeout: Duration) -> Result<()> {
+        let len = send.len();
+        check_blocks(self, "all_gather_f32", len, recv.len())?;
+        let call = self.begin(Collective::AllGatherF32 { len }, timeout);
+        let n = self.shared.world_size;
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return self.check_not_aborted(call);
+        }
+        let st = self.post_and_match(call, send.as_ptr() as usize, Next::Data)?;
+        let addrs = Self::peer_addrs(&st);
+        drop(st);
+        for (block, &addr) in recv.chunks_mut(len.max(1)).zip(&addrs) {
+            // SAFETY: every rank posted `len` values (checked) that stay alive and unchanged
+            // until the last barrier of this collective; `recv` is this rank's own.
+            block.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const f32, len) });
+        }
+        self.end_phase(call, Next::Local)
+    }
+
+    fn reduce_scatter(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let len = recv.len();
+        check_blocks(self, "reduce_scatter", len, send.len())?;
+        let call = self.begin(Collective::ReduceScatter { op, len }, timeout);
+        let n = self.shared.world_size;
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return self.check_not_aborted(call);
+        }
+        let st = self.post_and_match(call, send.as_ptr() as usize, Next::Data)?;
+        let addrs = Self::peer_addrs(&st);
+        drop(st);
+        let range = self.rank * len..(self.rank + 1) * len;
+        // SAFETY: every rank posted `n * len` values (checked) that no rank writes until the last
+        // barrier of this collective; `recv` is this rank's own buffer, not a posted one.
+        unsafe { reduce_into(&addrs, self.rank, range, recv, op) };
+        self.end_phase(call, Next::Local)
     }
 }
 

@@ -13,8 +13,8 @@ use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::Device;
 use burn::train::{
-    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearningComponentsTypes,
-    TrainLoader, TrainStep, TrainingBackend, TrainingModel,
+    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearnerOptimizerRecord,
+    LearningComponentsTypes, TrainLoader, TrainStep, TrainingBackend, TrainingModel,
 };
 
 use super::events::{Events, Meta};
@@ -22,6 +22,7 @@ use super::lock;
 use super::policy::{Agreement, OnNonFinite, StepPolicy, StopVote, end_of_data};
 use super::rank::{Comm, ModelOutput, Role, ValidOutput};
 use super::resume::{Resume, wait_for_epoch_checkpoint};
+use super::sharded::{RecordReader, Sharded};
 use super::startup::Startup;
 use super::validation::{ValidShard, Validating};
 use crate::checkpoint::{DdpState, StepState};
@@ -78,6 +79,10 @@ pub(super) struct Trainer<LC: LearningComponentsTypes> {
     /// This rank's whole batches of the validation loader (sharded validation); `None`: rank 0
     /// validates alone.
     pub valid_shard: Option<ValidShard<LC>>,
+    /// The optimizer, with [`DdpConfig::with_optimizer_sharding`].
+    pub sharded: Option<Sharded>,
+    /// Reads the learner's optimizer record (for sharding, and the report's optimizer state).
+    pub records: RecordReader<LC>,
 }
 
 /// Why an epoch's loop ended before its data.
@@ -498,7 +503,15 @@ where
     ) -> Result<bool> {
         if !outcome.non_finite {
             let started = Instant::now();
-            self.learner.optimizer_step(outcome.grads);
+            match &self.sharded {
+                Some(sharded) => sharded.step(
+                    &mut self.learner,
+                    outcome.grads,
+                    self.group.as_ref(),
+                    self.config.timeout(),
+                )?,
+                None => self.learner.optimizer_step(outcome.grads),
+            }
             report.optimizer += started.elapsed();
             state.steps += 1;
             run.counters.optimizer_steps += 1;
@@ -603,8 +616,14 @@ where
         // Rank 0: checkpoints and early stopping, on the epoch's own metrics.
         let mut stop_requested = interrupted;
         let mut written = Ok(());
+        let epoch_checkpoints = self.sharded.as_ref().is_some_and(|s| s.epoch_checkpoints);
+        let own_state = match !interrupted && epoch_checkpoints {
+            true => self.whole_optimizer_state()?,
+            false => None,
+        };
         if matches!(self.role, Role::Leader(_)) && !interrupted {
             written = self.write_epoch_checkpoint(epoch, counters);
+            Sharded::put_back(&mut self.learner, own_state);
             if written.is_ok()
                 && let Role::Leader(leader) = &mut self.role
                 && let Some(early_stopping) = &mut leader.early_stopping
@@ -658,6 +677,21 @@ where
         // Early stopping (or the interrupter) ends the run here anyway: it finishes normally
         // even if a stop signal came in too, as after the last epoch.
         Ok(!stopping)
+    }
+
+    /// With sharding, before rank 0 writes a checkpoint: every rank's optimizer state joined into
+    /// rank 0's learner; returns what rank 0 puts back after writing. Every rank calls it.
+    fn whole_optimizer_state(&mut self) -> Result<Option<LearnerOptimizerRecord<LC>>> {
+        match &self.sharded {
+            Some(sharded) => sharded.whole_on_rank_0(
+                &mut self.records,
+                &mut self.learner,
+                self.group.as_ref(),
+                &self.device,
+                self.config.timeout(),
+            ),
+            None => Ok(None),
+        }
     }
 
     /// One small all-gather per step: how many samples each rank's batch has (0: none left),
@@ -792,6 +826,10 @@ where
         batches: usize,
         counters: &Counters,
     ) -> Result<Option<PathBuf>> {
+        if self.config.checkpoint_dir().is_none() {
+            return Ok(None);
+        }
+        let own_state = self.whole_optimizer_state()?;
         let Role::Leader(leader) = &mut self.role else {
             return Ok(None);
         };
@@ -806,7 +844,9 @@ where
             optimizer_steps: counters.optimizer_steps,
             run_id: Some(self.run_id.clone()),
         };
-        let path = checkpoints.save(&self.learner, &state, &leader.event_store, &self.device)?;
+        let path = checkpoints.save(&self.learner, &state, &leader.event_store, &self.device);
+        Sharded::put_back(&mut self.learner, own_state);
+        let path = path?;
         tracing::info!(
             "burn-ddp: rank 0 wrote step checkpoint {} (batch {batches} of epoch {epoch})",
             state.number

@@ -18,6 +18,7 @@ mod events;
 mod policy;
 mod rank;
 mod resume;
+mod sharded;
 mod startup;
 mod validation;
 mod wire;
@@ -41,6 +42,7 @@ use epoch::Trainer;
 use events::Events;
 use rank::{Leader, Part, Role};
 use resume::StepCheckpoints;
+use sharded::{RecordReader, Sharded};
 use validation::{ValidShard, ValidationPlan};
 use worker::{run_all, split_train_loader};
 
@@ -677,6 +679,9 @@ where
         let (sender, receiver) = mpsc::channel::<Part<LC>>();
         let mut receiver = Some(receiver);
         let mut processor = Some(components.event_processor);
+        // Every rank's optimizer-record reader needs burn-train's store (unused).
+        let event_store = components.event_store.clone();
+        let epoch_checkpoints = components.checkpointer.is_some();
         let mut leader_parts = Some((
             components.checkpointer,
             components.early_stopping,
@@ -733,6 +738,11 @@ where
                     loaders: start.loaders,
                     run_id: start.run_id.clone(),
                     valid_shard,
+                    sharded: self
+                        .config
+                        .optimizer_sharding()
+                        .then(|| Sharded::new(epoch_checkpoints)),
+                    records: RecordReader::new(event_store.clone()),
                 }
             })
             .collect()

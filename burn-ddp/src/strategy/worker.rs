@@ -118,6 +118,18 @@ where
         trainer.config.clone(),
     )?;
     trainer.learner.load_model(model.into_record());
+    if let (Some(sharded), Some(shards)) = (&mut trainer.sharded, ddp.optimizer_shards()) {
+        let resume = &trainer.resume;
+        let resumed = resume.starting_epoch > 1 || resume.batches > 0 || resume.optimizer_steps > 0;
+        sharded.start(
+            shards.clone(),
+            resumed,
+            &mut trainer.records,
+            &mut trainer.learner,
+            &trainer.device,
+            trainer.config.timeout(),
+        )?;
+    }
     // Processes resuming from different checkpoints would train different steps, and
     // different settings or data would diverge or call different collectives.
     Startup {
@@ -140,6 +152,9 @@ where
     report.comm = ddp.comm_stats().clone();
     report.peak_memory = crate::monitor::peak_resident_bytes();
     result?;
+    report.optimizer_state = trainer
+        .records
+        .state_bytes(&trainer.learner, trainer.config.timeout());
     if !trainer.events.threads && trainer.group.world_size() > 1 {
         gather_reports(trainer, report);
     }

@@ -242,6 +242,8 @@ type Broadcast = unsafe extern "C" fn(
 ) -> c_int;
 type AllGather =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, RawStream) -> c_int;
+/// `ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)`.
+type ReduceScatter = AllReduce;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
 type GetLastError = unsafe extern "C" fn(RawComm) -> *const c_char;
 
@@ -262,6 +264,7 @@ pub struct NcclApi {
     pub(crate) all_reduce: AllReduce,
     pub(crate) broadcast: Broadcast,
     pub(crate) all_gather: AllGather,
+    pub(crate) reduce_scatter: ReduceScatter,
     get_error_string: GetErrorString,
     get_last_error: Option<GetLastError>,
     // Keeps the library mapped while the function pointers above are used.
@@ -381,6 +384,7 @@ impl NcclApi {
             all_reduce: symbol!("ncclAllReduce", AllReduce),
             broadcast: symbol!("ncclBroadcast", Broadcast),
             all_gather: symbol!("ncclAllGather", AllGather),
+            reduce_scatter: symbol!("ncclReduceScatter", ReduceScatter),
             get_error_string: symbol!("ncclGetErrorString", GetErrorString),
             get_last_error,
             path,

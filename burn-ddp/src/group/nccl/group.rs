@@ -35,6 +35,7 @@ use super::api::{
 use super::driver::{check_blocking_env, driver_error, grant_pool_access};
 pub use super::driver::{check_cuda_driver, cuda_device_count};
 use crate::error::{DdpError, Result};
+use crate::group::extension::check_blocks;
 use crate::group::{Collective, Native, ProcessGroup, ReduceOp, backoff};
 
 mod collectives;
@@ -474,6 +475,73 @@ impl crate::group::Sealed for NcclGroup {}
 impl Native for NcclGroup {
     fn reduces_device_tensors(&self) -> bool {
         true
+    }
+
+    /// `ncclAllGather` of the host values through the device scratch buffer (NCCL's in-place
+    /// layout).
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], timeout: Duration) -> Result<()> {
+        let len = send.len();
+        check_blocks(self, "all_gather_f32", len, recv.len())?;
+        let rank = self.rank;
+        recv[rank * len..(rank + 1) * len].copy_from_slice(send);
+        self.host_collective(
+            Collective::AllGatherF32 { len },
+            bytemuck::cast_slice_mut(recv),
+            rank * len * 4..(rank + 1) * len * 4,
+            timeout,
+            |api, scratch, comm, stream| {
+                // SAFETY: `scratch` holds `world_size * len` f32 with this rank's at its slot.
+                unsafe {
+                    (api.all_gather)(
+                        (scratch + (rank * len * 4) as u64) as *const std::ffi::c_void,
+                        scratch as *mut std::ffi::c_void,
+                        len,
+                        api::dtype::FLOAT32,
+                        comm,
+                        stream as api::RawStream,
+                    )
+                }
+            },
+        )
+    }
+
+    /// `ncclReduceScatter` of the host values through the device scratch buffer (in place: this
+    /// rank's block is its result).
+    fn reduce_scatter(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let len = recv.len();
+        check_blocks(self, "reduce_scatter", len, send.len())?;
+        let rank = self.rank;
+        let mut all = send.to_vec();
+        let bytes = all.len() * 4;
+        self.host_collective(
+            Collective::ReduceScatter { op, len },
+            bytemuck::cast_slice_mut(&mut all),
+            0..bytes,
+            timeout,
+            |api, scratch, comm, stream| {
+                // SAFETY: `scratch` holds the `world_size * len` f32 uploaded; the result goes
+                // to this rank's block of it.
+                unsafe {
+                    (api.reduce_scatter)(
+                        scratch as *const std::ffi::c_void,
+                        (scratch + (rank * len * 4) as u64) as *mut std::ffi::c_void,
+                        len,
+                        api::dtype::FLOAT32,
+                        api::nccl_op(op),
+                        comm,
+                        stream as api::RawStream,
+                    )
+                }
+            },
+        )?;
+        recv.copy_from_slice(&all[rank * len..(rank + 1) * len]);
+        Ok(())
     }
 
     fn all_reduce_device(

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 
+use super::extension::check_blocks;
 use super::{Collective, HalfFloat, Native, ProcessGroup, ReduceOp, lock};
 use crate::error::{DdpError, Result};
 use crate::partition::chunk_range;
@@ -201,10 +202,15 @@ impl TcpGroup {
         Ok(())
     }
 
+    /// Every rank but this one.
+    fn others(&self) -> Vec<usize> {
+        (0..self.world_size).filter(|&p| p != self.rank).collect()
+    }
+
     /// Every rank sends `mine` to every other rank; returns all ranks' bytes, rank-major.
     fn gather_bytes(&self, call: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let n = self.world_size;
-        let others: Vec<usize> = (0..n).filter(|&p| p != self.rank).collect();
+        let others = self.others();
         let mut parts: Vec<Vec<u8>> = (0..n)
             .map(|p| {
                 if p == self.rank {
@@ -443,6 +449,104 @@ impl Native for TcpGroup {
                 },
                 finish,
             )
+        })
+    }
+
+    /// `send` goes to every peer directly (as [`all_gather`](ProcessGroup::all_gather)'s
+    /// values): each rank sends and receives `(N - 1) * L` values, as in a ring.
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], timeout: Duration) -> Result<()> {
+        let len = send.len();
+        check_blocks(self, "all_gather_f32", len, recv.len())?;
+        let call = self.begin(Collective::AllGatherF32 { len }, timeout)?;
+        let rank = self.rank;
+        recv[rank * len..(rank + 1) * len].copy_from_slice(send);
+        if self.world_size == 1 {
+            return Ok(());
+        }
+        if len == 0 {
+            // Headers only: the peers still compare the calls.
+            return self.run(call, || self.gather_bytes(&call, &[]).map(drop));
+        }
+        self.run(call, || {
+            let others = self.others();
+            let mut sends: Vec<Outgoing<'_>> = others
+                .iter()
+                .map(|&p| Outgoing::new(&call, p, bytemuck::cast_slice(send)))
+                .collect();
+            let mut receives: Vec<Incoming<'_>> = recv
+                .chunks_mut(len)
+                .enumerate()
+                .filter(|(p, _)| *p != rank)
+                .map(|(p, block)| Incoming::new(p, bytemuck::cast_slice_mut(block)))
+                .collect();
+            Streams::lock(&self.peers, &others).transfer(
+                &call,
+                &mut sends,
+                &mut receives,
+                |_, _| {},
+            )
+        })
+    }
+
+    /// Block `p` of `send` goes to rank `p` directly; this rank sums the blocks it receives in
+    /// the order `r, r + 1, ..., r - 1`, the order of [`all_reduce`](ProcessGroup::all_reduce)'s
+    /// ring (and of `ThreadGroup`), so the bits agree with theirs.
+    fn reduce_scatter(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        op: ReduceOp,
+        timeout: Duration,
+    ) -> Result<()> {
+        let len = recv.len();
+        check_blocks(self, "reduce_scatter", len, send.len())?;
+        let call = self.begin(Collective::ReduceScatter { op, len }, timeout)?;
+        let (rank, n) = (self.rank, self.world_size);
+        recv.copy_from_slice(&send[rank * len..(rank + 1) * len]);
+        if n == 1 {
+            return Ok(());
+        }
+        if len == 0 {
+            return self.run(call, || self.gather_bytes(&call, &[]).map(drop));
+        }
+        self.run(call, || {
+            let others = self.others();
+            let mut blocks = vec![0f32; n * len];
+            {
+                let mut sends: Vec<Outgoing<'_>> = others
+                    .iter()
+                    .map(|&p| {
+                        Outgoing::new(
+                            &call,
+                            p,
+                            bytemuck::cast_slice(&send[p * len..(p + 1) * len]),
+                        )
+                    })
+                    .collect();
+                let mut receives: Vec<Incoming<'_>> = blocks
+                    .chunks_mut(len)
+                    .enumerate()
+                    .filter(|(p, _)| *p != rank)
+                    .map(|(p, block)| Incoming::new(p, bytemuck::cast_slice_mut(block)))
+                    .collect();
+                Streams::lock(&self.peers, &others).transfer(
+                    &call,
+                    &mut sends,
+                    &mut receives,
+                    |_, _| {},
+                )?;
+            }
+            for i in 1..n {
+                let p = (rank + i) % n;
+                for (own, theirs) in recv.iter_mut().zip(&blocks[p * len..(p + 1) * len]) {
+                    *own += *theirs;
+                }
+            }
+            if op == ReduceOp::Avg {
+                let divisor = n as f32;
+                recv.iter_mut().for_each(|v| *v /= divisor);
+            }
+            Ok(())
         })
     }
 }

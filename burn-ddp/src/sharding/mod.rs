@@ -1,0 +1,357 @@
+//! Optimizer-state sharding (ZeRO stage 1; PyTorch's `ZeroRedundancyOptimizer`): which rank owns
+//! which parameters, the gradients a rank keeps for its optimizer step, and the all-gather of the
+//! updated parameters. How the optimizer's record is split and joined for checkpoints is in
+//! [`state`].
+//!
+//! A step under sharding: the gradients are all-reduced as without it (the reducer, its checks,
+//! clipping and hooks see them whole); each rank drops the gradients of the parameters it does not
+//! own ([`OptimizerShards::keep_own`]), so Burn's optimizer steps its own parameters only and
+//! keeps state for those only (Burn's `OptimizerAdaptor` leaves a parameter without a gradient
+//! alone); then every rank's updated parameters go to every rank in one
+//! [`all_gather_f32`](crate::group::ExtendedCollectives::all_gather_f32)
+//! ([`OptimizerShards::gather`]), as raw bytes, so the replicas stay bit-identical.
+
+pub(crate) mod state;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+
+use crate::error::Result;
+use crate::group::{ExtendedCollectives, ProcessGroup};
+use crate::replica::{ReplicaLayout, TensorKind, restore_selected, snapshot_selected};
+
+/// Which rank owns which parameters under optimizer-state sharding.
+///
+/// The assignment: every tensor the optimizer may step (parameters, and frozen weights, which
+/// may be unfrozen later: owners never change during a run) is taken whole, grouped by Burn's
+/// `ParamId` (a shared weight's places go together), largest first (ties in registration order),
+/// each to the rank that owns the fewest bytes so far (ties to the lower rank): the greedy
+/// "longest processing time" rule, within 4/3 of the best balance, and computed by every rank
+/// from the layout alone (no communication). Buffers are not owned: every rank keeps its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OptimizerShards {
+    rank: usize,
+    world_size: usize,
+    /// For each float tensor (registration order), its owner; `None` for buffers.
+    owners: Vec<Option<usize>>,
+    /// 4-byte words of each tensor packed raw (registration order).
+    words: Vec<usize>,
+    /// The owner of each parameter id, by `ParamId::serialize` (the optimizer records' keys).
+    by_key: HashMap<String, usize>,
+    /// Bytes owned by each rank.
+    bytes: Vec<u64>,
+}
+
+impl OptimizerShards {
+    /// The assignment of `layout`'s parameters to `world_size` ranks, seen from `rank`.
+    pub fn new(layout: &ReplicaLayout, rank: usize, world_size: usize) -> Self {
+        let world_size = world_size.max(1);
+        let tensors = layout.tensors();
+        // One entry per id: its bytes, its first place.
+        let mut ids: Vec<(ParamId, u64, usize)> = Vec::new();
+        let mut seen: HashMap<ParamId, usize> = HashMap::new();
+        for t in tensors.iter().filter(|t| t.kind != TensorKind::Buffer) {
+            if let std::collections::hash_map::Entry::Vacant(e) = seen.entry(t.id) {
+                e.insert(ids.len());
+                ids.push((t.id, (t.numel() * t.element_bytes) as u64, t.index));
+            }
+        }
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(ids[i].1), ids[i].2));
+        let mut bytes = vec![0u64; world_size];
+        let mut owner_of: HashMap<ParamId, usize> = HashMap::new();
+        for i in order {
+            let (id, size, _) = ids[i];
+            let least = (0..world_size).min_by_key(|&r| (bytes[r], r)).unwrap_or(0);
+            bytes[least] += size;
+            owner_of.insert(id, least);
+        }
+        let owners = tensors
+            .iter()
+            .map(|t| {
+                (t.kind != TensorKind::Buffer)
+                    .then(|| owner_of.get(&t.id).copied())
+                    .flatten()
+            })
+            .collect();
+        let words = tensors
+            .iter()
+            .map(|t| (t.numel() * t.element_bytes).div_ceil(4))
+            .collect();
+        let by_key = owner_of
+            .into_iter()
+            .map(|(id, owner)| (id.serialize(), owner))
+            .collect();
+        Self {
+            rank,
+            world_size,
+            owners,
+            words,
+            by_key,
+            bytes,
+        }
+    }
+
+    /// The owner of each float tensor in registration order (`None`: a buffer).
+    pub fn owners(&self) -> &[Option<usize>] {
+        &self.owners
+    }
+
+    /// Bytes of parameters each rank owns (and keeps optimizer state for), by rank.
+    pub fn bytes_per_rank(&self) -> &[u64] {
+        &self.bytes
+    }
+
+    /// The owner of the parameter whose `ParamId::serialize` is `key` (an optimizer record's
+    /// key), if it is one of the model's.
+    pub fn owner_of_key(&self, key: &str) -> Option<usize> {
+        self.by_key.get(key).copied()
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Removes from `grads` the gradients of the parameters this rank does not own, so the
+    /// optimizer steps (and keeps state for) its own only. `module` is the model the gradients
+    /// are of (its parameters' ids and ranks).
+    pub fn keep_own<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        module: &M,
+        grads: &mut GradientsParams,
+    ) {
+        let mut dropper = DropOthers::<B::InnerBackend> {
+            shards: self,
+            grads,
+            visited: 0,
+            backend: std::marker::PhantomData,
+        };
+        module.visit(&mut dropper);
+    }
+
+    /// Every rank's updated parameters to every rank: the trainable tensors each rank owns,
+    /// packed as raw bytes (exact for every dtype) and padded to the largest share, in one
+    /// all-gather; each rank writes the others' into `module`. Frozen weights do not travel (no
+    /// rank stepped them). Every rank must call it after its optimizer step.
+    ///
+    /// # Errors
+    /// The all-gather's ([`ExtendedCollectives::all_gather_f32`]).
+    pub fn gather<B: Backend, M: Module<B>>(
+        &self,
+        module: M,
+        group: &dyn ProcessGroup,
+        timeout: Duration,
+    ) -> Result<M> {
+        if self.world_size == 1 {
+            return Ok(module);
+        }
+        let trainable = trainable_places(&module);
+        let select = |owner: usize| -> Vec<bool> {
+            self.owners
+                .iter()
+                .zip(&trainable)
+                .map(|(o, t)| *t && *o == Some(owner))
+                .collect()
+        };
+        let share = |select: &[bool]| -> usize {
+            self.words
+                .iter()
+                .zip(select)
+                .filter(|(_, s)| **s)
+                .map(|(w, _)| w)
+                .sum()
+        };
+        let selections: Vec<Vec<bool>> = (0..self.world_size).map(select).collect();
+        let block = selections.iter().map(|s| share(s)).max().unwrap_or(0);
+        let mut mine = snapshot_selected(&module, &selections[self.rank]);
+        mine.resize(block, 0.0);
+        let mut all = vec![0.0f32; block * self.world_size];
+        group.all_gather_f32(&mine, &mut all, timeout)?;
+        let mut module = module;
+        for (owner, select) in selections.iter().enumerate() {
+            if owner != self.rank && select.contains(&true) {
+                module = restore_selected(module, &all[owner * block..], select);
+            }
+        }
+        Ok(module)
+    }
+}
+
+/// Whether each float tensor (registration order) requires gradients now.
+fn trainable_places<B: Backend, M: Module<B>>(module: &M) -> Vec<bool> {
+    struct Trainable(Vec<bool>);
+    impl<B: Backend> ModuleVisitor<B> for Trainable {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.is_require_grad());
+        }
+    }
+    let mut visitor = Trainable(Vec::new());
+    module.visit(&mut visitor);
+    visitor.0
+}
+
+/// Removes the gradients of other ranks' parameters.
+struct DropOthers<'a, B: Backend> {
+    shards: &'a OptimizerShards,
+    grads: &'a mut GradientsParams,
+    visited: usize,
+    backend: std::marker::PhantomData<B>,
+}
+
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for DropOthers<'_, AB::InnerBackend> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        let index = self.visited;
+        self.visited += 1;
+        let owner = self.shards.owners.get(index).copied().flatten();
+        if owner.is_some_and(|o| o != self.shards.rank) {
+            let _ = self.grads.remove::<AB::InnerBackend, D>(param.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::nn::{Linear, LinearConfig};
+
+    use super::*;
+
+    type B = NdArray;
+
+    #[derive(Module, Debug)]
+    struct Net<B: Backend> {
+        big: Linear<B>,
+        mid: Linear<B>,
+        small: Linear<B>,
+    }
+
+    fn net<B: Backend>() -> Net<B> {
+        let device = Default::default();
+        Net {
+            big: LinearConfig::new(16, 16).init(&device),
+            mid: LinearConfig::new(8, 8).init(&device),
+            small: LinearConfig::new(2, 2).init(&device),
+        }
+    }
+
+    #[test]
+    fn whole_tensors_go_largest_first_to_the_rank_with_the_fewest_bytes() {
+        let layout = ReplicaLayout::of(&net::<B>());
+        // Tensors (registration order): big.weight 1024 B, big.bias 64, mid.weight 256,
+        // mid.bias 32, small.weight 16, small.bias 8.
+        let shards = OptimizerShards::new(&layout, 0, 2);
+        // 1024 -> 0; 256 -> 1; 64 -> 1; 32 -> 1; 16 -> 1; 8 -> 1.
+        assert_eq!(
+            shards.owners(),
+            &[Some(0), Some(1), Some(1), Some(1), Some(1), Some(1)]
+        );
+        assert_eq!(shards.bytes_per_rank(), &[1024, 376]);
+        let three = OptimizerShards::new(&layout, 2, 3);
+        // 1024 -> 0; 256 -> 1; 64 -> 2; 32 -> 2; 16 -> 2; 8 -> 2.
+        assert_eq!(three.bytes_per_rank(), &[1024, 256, 120]);
+        // Every rank computes the same assignment.
+        assert_eq!(OptimizerShards::new(&layout, 0, 3).owners(), three.owners());
+        assert_eq!(
+            OptimizerShards::new(&layout, 0, 1).bytes_per_rank(),
+            &[1400]
+        );
+    }
+
+    #[test]
+    fn a_rank_keeps_the_gradients_of_its_own_parameters_only() {
+        let model = net::<Autodiff<B>>();
+        let layout = ReplicaLayout::of(&model);
+        let x = Tensor::<Autodiff<B>, 2>::ones([1, 16], &Default::default());
+        let y = model.big.forward(x).sum()
+            + model
+                .mid
+                .forward(Tensor::<Autodiff<B>, 2>::ones([1, 8], &Default::default()))
+                .sum()
+            + model
+                .small
+                .forward(Tensor::<Autodiff<B>, 2>::ones([1, 2], &Default::default()))
+                .sum();
+        let all = GradientsParams::from_grads(y.backward(), &model);
+        for rank in 0..2 {
+            let shards = OptimizerShards::new(&layout, rank, 2);
+            let mut grads = all_grads_clone(&all, &model);
+            shards.keep_own(&model, &mut grads);
+            let kept: Vec<bool> = layout
+                .tensors()
+                .iter()
+                .map(|t| match t.shape.len() {
+                    1 => grads.get::<B, 1>(t.id).is_some(),
+                    _ => grads.get::<B, 2>(t.id).is_some(),
+                })
+                .collect();
+            let expected: Vec<bool> = shards.owners().iter().map(|o| *o == Some(rank)).collect();
+            assert_eq!(kept, expected, "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn after_the_gather_every_rank_holds_each_owners_values_bit_for_bit() {
+        use crate::group::ThreadGroup;
+        use crate::replica::tensor_fingerprints;
+        // Rank r's model: its own random draw (as if each had stepped differently).
+        let models: Vec<Net<Autodiff<B>>> = (0..3).map(|_| net::<Autodiff<B>>()).collect();
+        let layout = ReplicaLayout::of(&models[0]);
+        let shards = OptimizerShards::new(&layout, 0, 3);
+        // What every rank must hold: each tensor from its owner's model.
+        let expected: Vec<u64> = shards
+            .owners()
+            .iter()
+            .enumerate()
+            .map(|(i, owner)| tensor_fingerprints(&models[owner.unwrap()])[i])
+            .collect();
+        let groups = ThreadGroup::new_group(3).unwrap();
+        let gathered: Vec<Vec<u64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .zip(models.iter().cloned())
+                .enumerate()
+                .map(|(rank, (group, model))| {
+                    let layout = layout.clone();
+                    s.spawn(move || {
+                        let shards = OptimizerShards::new(&layout, rank, 3);
+                        let model = shards
+                            .gather(model, &group, Duration::from_secs(20))
+                            .unwrap();
+                        tensor_fingerprints(&model)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, got) in gathered.iter().enumerate() {
+            assert_eq!(got, &expected, "rank {rank}");
+        }
+    }
+
+    /// A copy of `grads` (GradientsParams is not `Clone`).
+    fn all_grads_clone(grads: &GradientsParams, model: &Net<Autodiff<B>>) -> GradientsParams {
+        let layout = ReplicaLayout::of(model);
+        let mut copy = GradientsParams::new();
+        for t in layout.tensors() {
+            match t.shape.len() {
+                1 => {
+                    if let Some(g) = grads.get::<B, 1>(t.id) {
+                        copy.register::<B, 1>(t.id, g);
+                    }
+                }
+                _ => {
+                    if let Some(g) = grads.get::<B, 2>(t.id) {
+                        copy.register::<B, 2>(t.id, g);
+                    }
+                }
+            }
+        }
+        copy
+    }
+}

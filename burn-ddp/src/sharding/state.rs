@@ -1,0 +1,281 @@
+//! The optimizer's record under sharding: each rank's holds its own parameters' entries; a
+//! checkpoint holds every rank's, joined on rank 0 ([`gather_record`]); a run that resumes from a
+//! whole record keeps its own share ([`own_record`]), whatever the world size that wrote it.
+//!
+//! Burn's `OptimizerAdaptor` keeps one entry per parameter (a map from `ParamId` to that
+//! parameter's state), and its record's item is a map from `ParamId::serialize` to the entry's
+//! item. Records are split and joined at that map, as MessagePack (Burn's own checkpoint format):
+//! an entry's bytes are moved, never decoded, so any optimizer whose record is such a map works.
+
+use std::time::Duration;
+
+use burn::record::{FullPrecisionSettings, Record};
+use burn::tensor::backend::Backend;
+use serde::Deserialize;
+
+use super::OptimizerShards;
+use crate::error::{DdpError, Result};
+use crate::group::{ExtendedCollectives, ProcessGroup};
+
+/// One entry of a record's top-level map: the parameter's key and its value as MessagePack.
+type Entry = (String, Vec<u8>);
+
+/// The entries of `record`'s top-level map.
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] when the record is not a map keyed by parameter (an optimizer
+/// that is not Burn's `OptimizerAdaptor` and keeps its state otherwise).
+fn entries<B: Backend, R: Record<B>>(record: R) -> Result<Vec<Entry>> {
+    let item = record.into_item::<FullPrecisionSettings>();
+    let bytes = rmp_serde::to_vec_named(&item).map_err(|e| not_a_map(e.to_string()))?;
+    split(&bytes).map_err(not_a_map)
+}
+
+fn not_a_map(detail: String) -> DdpError {
+    DdpError::InvalidConfig(format!(
+        "optimizer sharding needs an optimizer whose record is a map keyed by parameter \
+         (Burn's OptimizerAdaptor: Sgd, Adam, AdamW, ...); this optimizer's record is not \
+         ({detail}): turn sharding off (DdpConfig::with_optimizer_sharding(false))"
+    ))
+}
+
+/// The entries of the MessagePack map `bytes`.
+fn split(bytes: &[u8]) -> std::result::Result<Vec<Entry>, String> {
+    let mut rest = bytes;
+    let len = rmp::decode::read_map_len(&mut rest).map_err(|e| format!("not a map: {e}"))?;
+    let mut entries = Vec::with_capacity(len as usize);
+    for _ in 0..len {
+        let key_len = rmp::decode::read_str_len(&mut rest)
+            .map_err(|e| format!("a key that is not a string: {e}"))?
+            as usize;
+        if rest.len() < key_len {
+            return Err("a truncated key".into());
+        }
+        let key = std::str::from_utf8(&rest[..key_len])
+            .map_err(|e| format!("a key that is not UTF-8: {e}"))?
+            .to_string();
+        rest = &rest[key_len..];
+        let start = bytes.len() - rest.len();
+        serde::de::IgnoredAny::deserialize(&mut rmp_serde::Deserializer::new(&mut rest))
+            .map_err(|e| format!("entry {key}: {e}"))?;
+        let end = bytes.len() - rest.len();
+        entries.push((key, bytes[start..end].to_vec()));
+    }
+    Ok(entries)
+}
+
+/// The MessagePack map of `entries`.
+fn join<'a>(entries: impl ExactSizeIterator<Item = &'a Entry>) -> Vec<u8> {
+    let mut out = Vec::new();
+    // Writing to a Vec cannot fail.
+    let _ = rmp::encode::write_map_len(&mut out, entries.len() as u32);
+    for (key, value) in entries {
+        let _ = rmp::encode::write_str(&mut out, key);
+        out.extend_from_slice(value);
+    }
+    out
+}
+
+/// The record of the MessagePack map `bytes`, on `device`.
+fn record_of<B: Backend, R: Record<B>>(bytes: &[u8], device: &B::Device) -> Result<R> {
+    let item: R::Item<FullPrecisionSettings> =
+        rmp_serde::from_slice(bytes).map_err(|e| not_a_map(e.to_string()))?;
+    Ok(R::from_item(item, device))
+}
+
+/// Whether rank `shards.rank()` keeps the entry `key`: its own parameters', and on rank 0 the
+/// entries of no parameter of the model (kept, not lost).
+fn keeps(shards: &OptimizerShards, key: &str) -> bool {
+    shards
+        .owner_of_key(key)
+        .map_or(shards.rank() == 0, |owner| owner == shards.rank())
+}
+
+/// `record` with this rank's entries only: what a rank keeps after loading a whole record
+/// (a checkpoint written with or without sharding, by any world size).
+///
+/// # Errors
+/// As [`gather_record`], without the collectives'.
+pub(crate) fn own_record<B: Backend, R: Record<B>>(
+    shards: &OptimizerShards,
+    record: R,
+    device: &B::Device,
+) -> Result<R> {
+    let own: Vec<Entry> = entries(record)?
+        .into_iter()
+        .filter(|(key, _)| keeps(shards, key))
+        .collect();
+    record_of(&join(own.iter()), device)
+}
+
+/// Every rank's share of the optimizer state joined into one record on rank 0 (the others get
+/// `None`), for a checkpoint that any world size, with or without sharding, can resume from. Each
+/// rank sends its own entries (one all-gather of their lengths, one of the bytes, padded to the
+/// longest: every rank briefly holds every share). Every rank must call it.
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] when the optimizer's record is not a map keyed by parameter; the
+/// collectives' errors.
+pub(crate) fn gather_record<B: Backend, R: Record<B>>(
+    shards: &OptimizerShards,
+    record: R,
+    group: &dyn ProcessGroup,
+    timeout: Duration,
+    device: &B::Device,
+) -> Result<Option<R>> {
+    let own: Vec<Entry> = entries(record)?
+        .into_iter()
+        .filter(|(key, _)| keeps(shards, key))
+        .collect();
+    let bytes = join(own.iter());
+    let lengths = group.all_gather(&[bytes.len() as u64], timeout)?;
+    let longest = lengths.iter().copied().max().unwrap_or(0) as usize;
+    let mut words: Vec<f32> = bytes
+        .chunks(4)
+        .map(|c| {
+            let mut w = [0u8; 4];
+            w[..c.len()].copy_from_slice(c);
+            f32::from_bits(u32::from_le_bytes(w))
+        })
+        .collect();
+    let block = longest.div_ceil(4);
+    words.resize(block, 0.0);
+    let mut all = vec![0.0f32; block * group.world_size()];
+    group.all_gather_f32(&words, &mut all, timeout)?;
+    if group.rank() != 0 {
+        return Ok(None);
+    }
+    let mut whole: Vec<Entry> = Vec::new();
+    for (rank, length) in lengths.iter().enumerate() {
+        let share: Vec<u8> = all[rank * block..(rank + 1) * block]
+            .iter()
+            .flat_map(|w| w.to_bits().to_le_bytes())
+            .take(*length as usize)
+            .collect();
+        whole.extend(split(&share).map_err(|why| DdpError::Checkpoint {
+            path: String::new(),
+            detail: format!("rank {rank}'s share of the optimizer state is unreadable: {why}"),
+        })?);
+    }
+    whole.sort_by(|a, b| a.0.cmp(&b.0));
+    record_of(&join(whole.iter()), device).map(Some)
+}
+
+/// Bytes of optimizer state in `record` (the MessagePack size of its entries' values: tensors
+/// at full precision, for reports and the benchmark).
+///
+/// # Errors
+/// As [`own_record`].
+pub(crate) fn state_bytes<B: Backend, R: Record<B>>(record: R) -> Result<u64> {
+    Ok(entries(record)?.iter().map(|(_, v)| v.len() as u64).sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+    use burn::tensor::Tensor;
+
+    use super::*;
+    use crate::group::ThreadGroup;
+    use crate::replica::ReplicaLayout;
+
+    type B = Autodiff<NdArray>;
+
+    #[derive(Module, Debug)]
+    struct Net<B: Backend> {
+        a: Linear<B>,
+        b: Linear<B>,
+    }
+
+    fn adam_after_one_step() -> (
+        Net<B>,
+        <burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Net<B>, B> as Optimizer<
+            Net<B>,
+            B,
+        >>::Record,
+    ) {
+        let device = Default::default();
+        let net = Net {
+            a: LinearConfig::new(4, 3).init::<B>(&device),
+            b: LinearConfig::new(3, 2).init::<B>(&device),
+        };
+        let y = net
+            .b
+            .forward(net.a.forward(Tensor::<B, 2>::ones([2, 4], &device)))
+            .sum();
+        let grads = GradientsParams::from_grads(y.backward(), &net);
+        let mut optim = AdamConfig::new().init::<B, Net<B>>();
+        let net = optim.step(1e-2, net, grads);
+        (net, optim.to_record())
+    }
+
+    fn sorted<R: Record<B>>(record: R) -> Vec<Entry> {
+        let mut e = entries::<B, _>(record).unwrap();
+        e.sort();
+        e
+    }
+
+    fn keys<R: Record<B> + Clone>(record: &R) -> Vec<String> {
+        sorted(record.clone()).into_iter().map(|(k, _)| k).collect()
+    }
+
+    #[test]
+    fn shares_kept_per_rank_join_back_into_the_whole_record() {
+        let (net, record) = adam_after_one_step();
+        let layout = ReplicaLayout::of(&net);
+        let whole_keys = keys(&record);
+        assert_eq!(whole_keys.len(), 4);
+        let whole_bytes = state_bytes::<B, _>(record.clone()).unwrap();
+        let device = Default::default();
+        // Each rank keeps its own entries only, and their bytes add up to the whole.
+        let mut owned = Vec::new();
+        let mut bytes = 0;
+        for rank in 0..2 {
+            let shards = OptimizerShards::new(&layout, rank, 2);
+            let own = own_record::<B, _>(&shards, record.clone(), &device).unwrap();
+            bytes += state_bytes::<B, _>(own.clone()).unwrap();
+            for key in keys(&own) {
+                assert_eq!(shards.owner_of_key(&key), Some(rank));
+            }
+            owned.push(own);
+        }
+        assert_eq!(bytes, whole_bytes);
+        // Gathered on rank 0 from the shares: the whole record, value for value.
+        let groups = ThreadGroup::new_group(2).unwrap();
+        let gathered: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .zip(owned)
+                .enumerate()
+                .map(|(rank, (group, own))| {
+                    let layout = layout.clone();
+                    s.spawn(move || {
+                        let shards = OptimizerShards::new(&layout, rank, 2);
+                        gather_record::<B, _>(
+                            &shards,
+                            own,
+                            &group,
+                            Duration::from_secs(20),
+                            &Default::default(),
+                        )
+                        .unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(gathered[1].is_none());
+        let whole = gathered[0].clone().unwrap();
+        assert_eq!(keys(&whole), whole_keys);
+        assert_eq!(sorted(whole), sorted(record));
+    }
+
+    #[test]
+    fn a_record_that_is_not_a_map_by_parameter_is_refused_naming_the_setting() {
+        let err = state_bytes::<B, _>(()).unwrap_err();
+        assert!(err.to_string().contains("with_optimizer_sharding"), "{err}");
+    }
+}
