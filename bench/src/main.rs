@@ -86,11 +86,14 @@ fn parse_strategy(s: &str) -> Result<Strategy, String> {
     match family {
         "single" => Ok(Strategy::Single),
         "multi-device" => Ok(Strategy::BurnMultiDevice(n)),
+        "multi-device-sharded" => Ok(Strategy::BurnMultiDeviceSharded(n)),
         "threads" => Ok(Strategy::DdpThreads(n)),
+        "threads-sharded" => Ok(Strategy::DdpThreadsSharded(n)),
         "processes" => Ok(Strategy::DdpProcesses(n)),
         "mpi" => Ok(Strategy::DdpMpi(n)),
         _ => Err(format!(
-            "unknown strategy `{s}` (single, multi-device-N, threads-N, processes-N, mpi-N)"
+            "unknown strategy `{s}` (single, multi-device-N, multi-device-sharded-N, threads-N, \
+             threads-sharded-N, processes-N, mpi-N)"
         )),
     }
 }
@@ -391,15 +394,20 @@ fn bench(cli: &Cli) -> Results {
         strategies = vec![
             Strategy::Single,
             Strategy::BurnMultiDevice(2),
+            Strategy::BurnMultiDeviceSharded(2),
             Strategy::DdpThreads(1),
             Strategy::DdpThreads(2),
+            Strategy::DdpThreadsSharded(2),
             Strategy::DdpProcesses(2),
         ];
         if cfg!(feature = "mpi") {
             strategies.push(Strategy::DdpMpi(2));
         }
         if cli.long {
+            strategies.push(Strategy::BurnMultiDevice(4));
+            strategies.push(Strategy::BurnMultiDeviceSharded(4));
             strategies.push(Strategy::DdpThreads(4));
+            strategies.push(Strategy::DdpThreadsSharded(4));
         }
     }
     let models = if cli.models.is_empty() {

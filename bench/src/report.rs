@@ -145,9 +145,12 @@ impl Results {
         );
         let _ = writeln!(
             md,
-            "| model | strategy | N | samples/s | vs 1 device | efficiency / overhead | step split ms (compute / flatten / all-reduce / unflatten / agreement / optimizer) | collectives per step |"
+            "| model | strategy | N | samples/s | vs 1 device | efficiency / overhead | step split ms (compute / flatten / all-reduce / unflatten / agreement / optimizer) | collectives per step | optimizer state per rank |"
         );
-        let _ = writeln!(md, "| --- | --- | --- | --- | --- | --- | --- | --- |");
+        let _ = writeln!(
+            md,
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+        );
         for t in &self.throughput {
             let base = self.single(t.model);
             let n = t.strategy.world_size();
@@ -187,9 +190,14 @@ impl Results {
                 .as_ref()
                 .and_then(|s| s.collectives_per_step)
                 .map_or("-".into(), |c| format!("{c:.2}"));
+            let state = t
+                .split
+                .as_ref()
+                .and_then(|s| s.optimizer_state_mib)
+                .map_or("-".into(), |m| format!("{m:.1} MiB"));
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {:.1} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {:.1} | {} | {} | {} | {} | {} |",
                 t.model.name(),
                 t.strategy.family(),
                 n,
@@ -197,12 +205,13 @@ impl Results {
                 speedup,
                 efficiency,
                 split,
-                collectives
+                collectives,
+                state
             );
         }
         let _ = writeln!(
             md,
-            "| both | Burn `ExecutionStrategy::ddp` | - | - | - | skipped: needs Burn's `distributed` feature, whose `DistributedBackend` the CPU backends lack (CUDA only) | - | - |\n"
+            "| both | Burn `ExecutionStrategy::ddp` | - | - | - | skipped: needs Burn's `distributed` feature, whose `DistributedBackend` the CPU backends lack (CUDA only) | - | - | - |\n"
         );
 
         if !self.prefetch.is_empty() {
@@ -500,6 +509,7 @@ impl Results {
                     match t.strategy {
                         Strategy::DdpProcesses(_) => "proc",
                         Strategy::DdpMpi(_) => "mpi",
+                        Strategy::DdpThreadsSharded(_) => "zero1",
                         _ => "thr",
                     },
                     t.strategy.world_size()

@@ -36,8 +36,13 @@ pub enum Strategy {
     Single,
     /// Burn's `ExecutionStrategy::MultiDevice` (gradients gathered on the first device).
     BurnMultiDevice(usize),
+    /// Burn's `MultiDevice` with `MultiDeviceOptim::OptimSharded` (the optimizer step sharded
+    /// across the devices).
+    BurnMultiDeviceSharded(usize),
     /// burn-ddp, replicas as threads.
     DdpThreads(usize),
+    /// burn-ddp, replicas as threads, optimizer state sharded (ZeRO-1).
+    DdpThreadsSharded(usize),
     /// burn-ddp, replicas as processes over `TcpGroup`.
     DdpProcesses(usize),
     /// burn-ddp, replicas as the processes of `mpirun` over `MpiGroup` (feature `mpi`).
@@ -50,7 +55,9 @@ impl Strategy {
         match self {
             Strategy::Single => 1,
             Strategy::BurnMultiDevice(n)
+            | Strategy::BurnMultiDeviceSharded(n)
             | Strategy::DdpThreads(n)
+            | Strategy::DdpThreadsSharded(n)
             | Strategy::DdpProcesses(n)
             | Strategy::DdpMpi(n) => n,
         }
@@ -61,7 +68,9 @@ impl Strategy {
         match self {
             Strategy::Single => "plain Burn, 1 device",
             Strategy::BurnMultiDevice(_) => "Burn MultiDevice",
+            Strategy::BurnMultiDeviceSharded(_) => "Burn MultiDevice, OptimSharded",
             Strategy::DdpThreads(_) => "burn-ddp threads",
+            Strategy::DdpThreadsSharded(_) => "burn-ddp threads, sharded optimizer",
             Strategy::DdpProcesses(_) => "burn-ddp processes (TCP)",
             Strategy::DdpMpi(_) => "burn-ddp processes (MPI)",
         }
@@ -106,6 +115,9 @@ pub struct StepSplit {
     /// versions that did not count them.
     #[serde(default)]
     pub collectives_per_step: Option<f64>,
+    /// The largest optimizer state of any rank at the end, in MiB (`RankReport::optimizer_state`).
+    #[serde(default)]
+    pub optimizer_state_mib: Option<f64>,
 }
 
 /// One run's result.
@@ -314,9 +326,11 @@ where
         Strategy::Single => DataLoaderBuilder::new(FashionBatcher)
             .batch_size(plan.global_batch)
             .build(InMemDataset::new(synthetic_images(samples))),
-        Strategy::BurnMultiDevice(_) => DataLoaderBuilder::new(FashionBatcher)
-            .batch_size(per_replica)
-            .build(InMemDataset::new(synthetic_images(samples))),
+        Strategy::BurnMultiDevice(_) | Strategy::BurnMultiDeviceSharded(_) => {
+            DataLoaderBuilder::new(FashionBatcher)
+                .batch_size(per_replica)
+                .build(InMemDataset::new(synthetic_images(samples)))
+        }
         _ => match DistributedSampler::new(samples, n).and_then(|sampler| {
             let batcher = CostlyBatcher {
                 per_sample: loader.decode_per_sample,
@@ -345,25 +359,33 @@ where
                 .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
                 .launch(learner);
         }
-        Strategy::BurnMultiDevice(n) => {
+        Strategy::BurnMultiDevice(n) | Strategy::BurnMultiDeviceSharded(n) => {
+            let optim = match strategy {
+                Strategy::BurnMultiDeviceSharded(_) => MultiDeviceOptim::OptimSharded,
+                _ => MultiDeviceOptim::OptimMainDevice,
+            };
             training
                 .with_training_strategy(
-                    ExecutionStrategy::MultiDevice(
-                        vec![device; n],
-                        MultiDeviceOptim::OptimMainDevice,
-                    )
-                    .into(),
+                    ExecutionStrategy::MultiDevice(vec![device; n], optim).into(),
                 )
                 .launch(learner);
         }
-        Strategy::DdpThreads(_) | Strategy::DdpProcesses(_) | Strategy::DdpMpi(_) => {
+        Strategy::DdpThreads(_)
+        | Strategy::DdpThreadsSharded(_)
+        | Strategy::DdpProcesses(_)
+        | Strategy::DdpMpi(_) => {
             let ddp = match group {
                 // The windows are timed by rank 0's renderer: in process mode it must hear of
                 // every step as it ends, not of 20 at once (the default metrics interval). That
                 // costs two small all-gathers per step, counted in the figures.
                 Some(group) => DdpStrategy::with_process_group(device, group)
                     .with_config(burn_ddp::DdpConfig::default().with_metrics_every(1)),
-                None => DdpStrategy::new(vec![device; n]),
+                None => DdpStrategy::new(vec![device; n]).with_config(
+                    burn_ddp::DdpConfig::default().with_optimizer_sharding(matches!(
+                        strategy,
+                        Strategy::DdpThreadsSharded(_)
+                    )),
+                ),
             };
             let handle = ddp.clone();
             if let Err(e) = training.launch_ddp(learner, ddp) {
@@ -376,6 +398,13 @@ where
     std::thread::sleep(Duration::from_millis(100));
     let ticks = clock.0.lock().map(|t| t.clone()).unwrap_or_default();
     let windows = windows(&ticks, plan);
+    let optimizer_state_mib = report.as_ref().and_then(|r| {
+        r.ranks
+            .iter()
+            .filter_map(|rank| rank.optimizer_state)
+            .max()
+            .map(|b| b as f64 / (1024.0 * 1024.0))
+    });
     let split = report.and_then(|r| r.ranks.first().cloned()).map(|rank| {
         let steps = rank.comm.steps.max(1) as f64;
         let ms = |d: Duration| d.as_secs_f64() * 1e3 / steps;
@@ -387,6 +416,7 @@ where
             agreement_ms: ms(rank.coordination),
             optimizer_ms: ms(rank.optimizer),
             collectives_per_step: Some(rank.collectives_per_step()),
+            optimizer_state_mib,
         }
     });
     Throughput {

@@ -68,6 +68,7 @@ pub struct DdpConfig {
     summary: bool,
     spike_factor: f64,
     optimizer_sharding: bool,
+    metrics_file: Option<std::path::PathBuf>,
 }
 
 impl PartialEq for DdpConfig {
@@ -96,6 +97,7 @@ impl PartialEq for DdpConfig {
             && self.summary == other.summary
             && self.spike_factor.to_bits() == other.spike_factor.to_bits()
             && self.optimizer_sharding == other.optimizer_sharding
+            && self.metrics_file == other.metrics_file
     }
 }
 
@@ -186,6 +188,7 @@ impl Default for DdpConfig {
             summary: true,
             spike_factor: DEFAULT_SPIKE_FACTOR,
             optimizer_sharding: false,
+            metrics_file: None,
         }
     }
 }
@@ -409,6 +412,27 @@ impl DdpConfig {
     /// Whether the optimizer state is sharded.
     pub fn optimizer_sharding(&self) -> bool {
         self.optimizer_sharding
+    }
+
+    /// Rank 0 appends the run's figures to `path` as JSON Lines, for plotting: one line per
+    /// training step as rank 0 reports it to burn-train (`{"kind":"step","epoch","step",
+    /// "samples","samples_per_s","lr","loss","step_ms","compute_ms","optimizer_ms",
+    /// "peak_memory"}`: the step's global batch, the loss of burn-train's output types (mean
+    /// over the global batch; `null` for other outputs), rank 0's own times in milliseconds and
+    /// its process's peak memory in bytes), and at the end one line per rank
+    /// (`{"kind":"rank","rank","batches","compute_s","sync_s","optimizer_s","utilization",
+    /// "sync_median_ms","sync_p90_ms","spikes","peak_memory","optimizer_state"}`, from
+    /// [`RankReport`](crate::metrics::RankReport)). In process mode the step lines come in
+    /// bursts of [`with_metrics_every`](Self::with_metrics_every). A file that cannot be
+    /// written is a warning, not a failed run. Default: none.
+    pub fn with_metrics_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.metrics_file = Some(path.into());
+        self
+    }
+
+    /// The JSON Lines metrics file, if any.
+    pub fn metrics_file(&self) -> Option<&std::path::Path> {
+        self.metrics_file.as_deref()
     }
 
     /// Reduces the gradient buckets with `hook` instead of the built-in all-reduce (PyTorch's

@@ -71,6 +71,11 @@ use crate::sharding::state::{gather_record, own_record};
 /// Gradient accumulation (PyTorch's `no_sync`): sum the micro-batches' gradients with Burn's
 /// `GradientsAccumulator` and call `sync_gradients` once per optimizer step, on the sum.
 ///
+/// With [`DdpConfig::with_optimizer_sharding`], step with
+/// [`ddp.optimizer_step(&mut optim, lr, model, grads)`](Self::optimizer_step) instead of
+/// `optim.step(lr, model, grads)`: each rank steps its own parameters and the others' arrive by
+/// all-gather; save [`gather_optimizer_record`](Self::gather_optimizer_record)'s whole state.
+///
 /// The model may change between steps the way fine-tuning changes it: a layer frozen
 /// (`Module::no_grad`) or unfrozen (`set_require_grad(true)`) on every rank at the same step is
 /// followed at that step (PyTorch DDP needs a new wrapper for that). A change on some ranks
@@ -484,7 +489,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
 /// [`DdpError::InvalidConfig`] naming the first such setting and what to do instead.
 fn custom_loop_settings(config: &DdpConfig) -> Result<()> {
     let default = DdpConfig::default();
-    let refused: [(bool, &str, &str); 9] = [
+    let refused: [(bool, &str, &str); 10] = [
         (
             config.checkpoint_dir().is_some(),
             "with_checkpoint_dir",
@@ -525,6 +530,11 @@ fn custom_loop_settings(config: &DdpConfig) -> Result<()> {
             config.epoch_end_timeout() != default.epoch_end_timeout(),
             "with_epoch_end_timeout",
             "a custom loop has no end-of-epoch meeting of burn-ddp's",
+        ),
+        (
+            config.metrics_file().is_some(),
+            "with_metrics_file",
+            "write your loop's figures yourself",
         ),
         (
             config.spike_factor().to_bits() != default.spike_factor().to_bits(),

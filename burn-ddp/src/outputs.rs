@@ -44,6 +44,13 @@ pub trait DistributedOutput: Sized + Send + 'static {
     /// # Errors
     /// A message when the words do not hold such an output.
     fn decode(words: &mut &[u64], device: &Self::Device) -> Result<Self, String>;
+
+    /// The output's loss as one number (the mean of its loss tensor; reads it), for the metrics
+    /// file ([`DdpConfig::with_metrics_file`](crate::DdpConfig::with_metrics_file)). Default:
+    /// `None` (no loss to tell).
+    fn loss(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// Joins losses: `[1]`-shaped means into the `[1]`-shaped mean over all the parts' samples,
@@ -191,6 +198,11 @@ macro_rules! distributed_output {
                 distributed_output!(@put words, &self.$targets $(, $int)?);
             }
 
+            fn loss(&self) -> Option<f64> {
+                use burn::tensor::ElementConversion;
+                Some(self.loss.clone().mean().into_scalar().elem::<f64>())
+            }
+
             fn decode(words: &mut &[u64], device: &B::Device) -> Result<Self, String> {
                 Ok(Self {
                     loss: take_float::<B, 1>(words, device)?,
@@ -216,6 +228,8 @@ pub(crate) struct Codec<O, B: Backend> {
     pub join: fn(Vec<O>, &B::Device) -> O,
     pub encode: fn(&O, &mut Vec<u64>),
     pub decode: fn(&mut &[u64], &B::Device) -> Result<O, String>,
+    pub loss: fn(&O) -> Option<f64>,
+    pub samples: fn(&O) -> usize,
 }
 
 impl<O, B: Backend> Clone for Codec<O, B> {
@@ -249,6 +263,16 @@ fn encode_as<T: DistributedOutput, O: 'static>(output: &O, words: &mut Vec<u64>)
     }
 }
 
+fn samples_as<T: DistributedOutput, O: 'static>(output: &O) -> usize {
+    (output as &dyn Any)
+        .downcast_ref::<T>()
+        .map_or(0, DistributedOutput::samples)
+}
+
+fn loss_as<T: DistributedOutput, O: 'static>(output: &O) -> Option<f64> {
+    (output as &dyn Any).downcast_ref::<T>()?.loss()
+}
+
 fn decode_as<T: DistributedOutput, O: 'static>(
     words: &mut &[u64],
     device: &T::Device,
@@ -266,6 +290,8 @@ where
         join: join_as::<T, O>,
         encode: encode_as::<T, O>,
         decode: decode_as::<T, O>,
+        loss: loss_as::<T, O>,
+        samples: samples_as::<T, O>,
     })
 }
 

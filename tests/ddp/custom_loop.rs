@@ -64,10 +64,15 @@ const STEPS: usize = 3;
 const PER_RANK: usize = 8;
 const LR: f64 = 0.5;
 
+/// SGD with momentum (state per parameter, which sharding splits between the ranks).
+fn sgd() -> SgdConfig {
+    SgdConfig::new().with_momentum(Some(burn::optim::momentum::MomentumConfig::new()))
+}
+
 /// Plain Burn on one device: `STEPS` SGD steps on batches of `world_size * PER_RANK` items.
 fn one_device(model: TiedMlp<TestBackend>, items: &[Item], world_size: usize) -> Vec<Vec<f32>> {
     let mut model = model;
-    let mut optim = SgdConfig::new().init();
+    let mut optim = sgd().init();
     for batch in items.chunks(world_size * PER_RANK).take(STEPS) {
         let grads = GradientsParams::from_grads(loss(&model, batch).backward(), &model);
         model = optim.step(LR, model, grads);
@@ -77,11 +82,12 @@ fn one_device(model: TiedMlp<TestBackend>, items: &[Item], world_size: usize) ->
 
 /// The same loop with `DistributedDataParallel` on `world_size` thread ranks; rank `r` takes the
 /// `r`-th `PER_RANK` items of every global batch and starts from a model of its own (rank 0's
-/// is `model`). Returns every rank's trained tensors.
+/// is `model`), with the optimizer state sharded or not. Returns every rank's trained tensors.
 fn data_parallel(
     model: TiedMlp<TestBackend>,
     items: &[Item],
     world_size: usize,
+    shard: bool,
 ) -> Vec<Vec<Vec<f32>>> {
     let groups = ThreadGroup::new_group(world_size).unwrap();
     std::thread::scope(|s| {
@@ -96,16 +102,16 @@ fn data_parallel(
                 };
                 s.spawn(move || {
                     let group: Arc<dyn ProcessGroup> = Arc::new(group);
+                    let config = DdpConfig::default().with_optimizer_sharding(shard);
                     let (mut ddp, mut model) =
-                        DistributedDataParallel::new(group, mine, &device(), DdpConfig::default())
-                            .unwrap();
-                    let mut optim = SgdConfig::new().init();
+                        DistributedDataParallel::new(group, mine, &device(), config).unwrap();
+                    let mut optim = sgd().init();
                     for batch in items.chunks(world_size * PER_RANK).take(STEPS) {
-                        let shard = &batch[rank * PER_RANK..(rank + 1) * PER_RANK];
+                        let mine = &batch[rank * PER_RANK..(rank + 1) * PER_RANK];
                         let grads =
-                            GradientsParams::from_grads(loss(&model, shard).backward(), &model);
+                            GradientsParams::from_grads(loss(&model, mine).backward(), &model);
                         let grads = ddp.sync_gradients(&model, grads).unwrap();
-                        model = optim.step(LR, model, grads);
+                        model = ddp.optimizer_step(&mut optim, LR, model, grads).unwrap();
                     }
                     float_tensors(&model)
                 })
@@ -117,11 +123,11 @@ fn data_parallel(
 
 #[test]
 fn a_weight_shared_by_two_layers_trains_as_on_one_device_in_a_custom_loop() {
-    for world_size in [2, 3] {
+    for (world_size, shard) in [(2, false), (3, false), (2, true), (3, true)] {
         let model = materialized(TiedMlp::<TestBackend>::new(&device()));
         let items = synthetic_dataset(STEPS * world_size * PER_RANK, 21);
         let reference = one_device(model.clone(), &items, world_size);
-        let ranks = data_parallel(model.clone(), &items, world_size);
+        let ranks = data_parallel(model.clone(), &items, world_size, shard);
         let moved = max_relative_difference(&reference, &float_tensors(&model));
         assert!(
             moved > 1e-3,
@@ -131,7 +137,8 @@ fn a_weight_shared_by_two_layers_trains_as_on_one_device_in_a_custom_loop() {
             let diff = max_relative_difference(trained, &reference);
             assert!(
                 diff <= 1e-5,
-                "world size {world_size}, rank {rank}: {diff} away from plain Burn on one device"
+                "world size {world_size} (sharded: {shard}), rank {rank}: {diff} away from plain \
+                 Burn on one device"
             );
             assert_eq!(trained, &ranks[0], "rank {rank} differs from rank 0");
         }

@@ -325,3 +325,74 @@ fn sharding_splits_the_optimizer_state_between_the_ranks_in_threads_and_processe
         assert!(report.to_string().contains("optimizer state"), "{mode}");
     }
 }
+
+#[test]
+fn the_metrics_file_has_a_line_per_step_with_the_loss_burn_train_shows_and_a_line_per_rank() {
+    use burn_ddp::DdpConfig;
+    let model = materialized(Mlp::new(&device()));
+    let dir = tempfile::tempdir().unwrap();
+    for mode in ["threads", "processes"] {
+        let path = dir.path().join(format!("{mode}.jsonl"));
+        let mut run = Run::new(Some(2), 16, 6 * 16);
+        run.epochs = 2;
+        run.recording = Some(Recording::default());
+        run.all_metrics = true;
+        run.config = DdpConfig::default()
+            .with_metrics_file(&path)
+            .with_metrics_every(4);
+        let recording = run.recording.clone().unwrap();
+        if mode == "threads" {
+            run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+        } else {
+            let results = over_tcp(2, |_, group| {
+                let run = Run {
+                    group: Some(group),
+                    replicas: None,
+                    ..run.clone()
+                };
+                run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).map(drop)
+            });
+            for result in results {
+                result.unwrap().unwrap();
+            }
+        }
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let steps: Vec<&serde_json::Value> = lines.iter().filter(|l| l["kind"] == "step").collect();
+        let ranks: Vec<&serde_json::Value> = lines.iter().filter(|l| l["kind"] == "rank").collect();
+        let (train, _) = recording.seen();
+        assert_eq!(steps.len(), 12, "{mode}: 6 steps in each of 2 epochs");
+        assert_eq!(steps.len(), train.items.len(), "{mode}: one line per item");
+        for (line, item) in steps.iter().zip(&train.items) {
+            let metric = |wanted: &str| {
+                item.metrics
+                    .iter()
+                    .find(|(name, _, _)| name == wanted)
+                    .unwrap_or_else(|| panic!("the {wanted} metric"))
+            };
+            // The loss is counted once per item; the accuracy once per sample.
+            let (_, loss, _) = metric("Loss");
+            let (_, _, samples) = metric("Accuracy");
+            assert_eq!(line["epoch"], item.epoch as u64, "{mode}");
+            assert_eq!(line["samples"], *samples as u64, "{mode}: the global batch");
+            let logged = line["loss"].as_f64().unwrap();
+            assert!(
+                (logged - loss).abs() <= 1e-5 * loss.abs().max(1.0),
+                "{mode}: the file's loss {logged}, burn-train's {loss}"
+            );
+            assert!(line["compute_ms"].as_f64().unwrap() > 0.0, "{mode}");
+        }
+        assert_eq!(
+            ranks
+                .iter()
+                .map(|r| r["rank"].as_u64().unwrap())
+                .collect::<Vec<_>>(),
+            vec![0, 1],
+            "{mode}: one line per rank at the end"
+        );
+        assert!(ranks.iter().all(|r| r["batches"] == 12), "{mode}");
+    }
+}

@@ -19,6 +19,7 @@ use burn::train::{
 
 use super::events::{Events, Meta};
 use super::lock;
+use super::metrics_file::StepTimes;
 use super::policy::{Agreement, OnNonFinite, StepPolicy, StopVote, end_of_data};
 use super::rank::{Comm, ModelOutput, Role, ValidOutput};
 use super::resume::{Resume, wait_for_epoch_checkpoint};
@@ -270,6 +271,8 @@ where
         ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
         report: &mut RankReport,
     ) -> Result<Next> {
+        let started = Instant::now();
+        let (compute_before, optimizer_before) = (report.compute, report.optimizer);
         let Some((mut batch, input)) = self.next_batch(state, iterator, run, report)? else {
             return Ok(Next::EndOfData);
         };
@@ -308,6 +311,11 @@ where
                 local.items_total * world_size,
             ),
             lr: Some(self.learner.lr_current()),
+            times: StepTimes {
+                wall: started.elapsed(),
+                compute: report.compute.saturating_sub(compute_before),
+                optimizer: report.optimizer.saturating_sub(optimizer_before),
+            },
         };
         self.events.train(
             &mut self.role,

@@ -19,17 +19,21 @@ use burn::train::{
     EventProcessorTraining, LearnerEvent, LearningComponentsTypes, TrainingBackend, TrainingItem,
 };
 
+use super::metrics_file::StepTimes;
 use super::rank::{Comm, Leader, ModelOutput, Part, Role, ValidOutput};
 use super::wire::{bad_words, decode_entry, encode_entry, gather_words};
 use crate::error::{DdpError, Result};
 use crate::outputs::{Codec, codec};
 
-/// What rank 0 knows of a training step besides the outputs: its own progress and learning rate.
+/// What rank 0 knows of a training step besides the outputs: its own progress, learning rate
+/// and times.
 pub(super) struct Meta {
     /// This rank's progress in the epoch, over all ranks' samples.
     pub progress: Progress,
     /// The learning rate of the step.
     pub lr: Option<f64>,
+    /// This rank's times in the step (for the metrics file).
+    pub times: StepTimes,
 }
 
 /// Per step, per rank: `None` while the rank's part has not arrived, then its output (`None`: no
@@ -115,7 +119,11 @@ where
         progress_global: &Progress,
     ) -> Result<()> {
         self.steps = step + 1;
-        let Meta { progress, lr } = meta;
+        let Meta {
+            progress,
+            lr,
+            times,
+        } = meta;
         let world_size = comm.group.world_size();
         let rank = comm.rank;
         let joined = self.train_codec.is_some();
@@ -129,6 +137,17 @@ where
             Role::Leader(leader) if !joined => {
                 // No codec: every replica's item on its own (threads), or rank 0's (processes).
                 self.last_progress = Some(progress.clone());
+                if let Some(file) = &mut leader.metrics_file {
+                    // Without a codec neither the global batch nor the loss is known here.
+                    file.step(
+                        progress_global.items_processed,
+                        step + 1,
+                        0,
+                        lr,
+                        None,
+                        times,
+                    );
+                }
                 if let Some(output) = output {
                     let item = TrainingItem::new(
                         output,
@@ -146,7 +165,14 @@ where
             }
             Role::Silent(_) if !joined => return Ok(()),
             Role::Leader(_) => {
-                self.meta.insert(step, Meta { progress, lr });
+                self.meta.insert(
+                    step,
+                    Meta {
+                        progress,
+                        lr,
+                        times,
+                    },
+                );
             }
             Role::Silent(_) => {}
         }
@@ -381,6 +407,16 @@ fn emit_ready<LC: LearningComponentsTypes>(
             continue;
         };
         let output = (codec.join)(parts, device);
+        if let Some(file) = &mut leader.metrics_file {
+            file.step(
+                progress_global.items_processed,
+                step + 1,
+                (codec.samples)(&output),
+                meta.lr,
+                (codec.loss)(&output),
+                meta.times,
+            );
+        }
         let item = TrainingItem::new(
             output,
             meta.progress,

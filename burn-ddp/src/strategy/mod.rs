@@ -15,6 +15,7 @@
 
 mod epoch;
 mod events;
+mod metrics_file;
 mod policy;
 mod rank;
 mod resume;
@@ -40,6 +41,7 @@ use crate::group::{ProcessGroup, ThreadGroup};
 use crate::metrics::TrainingReport;
 use epoch::Trainer;
 use events::Events;
+use metrics_file::MetricsFile;
 use rank::{Leader, Part, Role};
 use resume::StepCheckpoints;
 use sharded::{RecordReader, Sharded};
@@ -705,6 +707,7 @@ where
                         early_stopping,
                         event_store,
                         items: receiver.take().unwrap_or_else(|| mpsc::channel().1),
+                        metrics_file: self.config.metrics_file().map(MetricsFile::new),
                     })),
                     (_, Some(event_processor), _) => Role::Silent(Box::new(event_processor)),
                     _ => Role::Follower(sender.clone()),
@@ -764,6 +767,9 @@ where
             if !report.epochs.is_empty() {
                 crate::log::to_stderr(&report.to_string());
             }
+        }
+        if let (Some(path), 0) = (self.config.metrics_file(), first_rank) {
+            MetricsFile::new(path).ranks(&lock(&self.report));
         }
     }
 }

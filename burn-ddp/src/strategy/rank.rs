@@ -14,6 +14,7 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainStep, TrainingBackend, TrainingModel, ValidLoader,
 };
 
+use super::metrics_file::MetricsFile;
 use super::resume::StepCheckpoints;
 use crate::group::ProcessGroup;
 
@@ -54,6 +55,8 @@ pub(super) struct Leader<LC: LearningComponentsTypes> {
     pub event_store: Arc<EventStoreClient>,
     /// The outputs of the ranks that are threads of this process.
     pub items: Receiver<Part<LC>>,
+    /// [`DdpConfig::with_metrics_file`](crate::DdpConfig::with_metrics_file)'s file.
+    pub metrics_file: Option<MetricsFile>,
 }
 
 impl<LC: LearningComponentsTypes> Leader<LC> {
