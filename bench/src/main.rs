@@ -17,6 +17,7 @@
 
 mod collectives;
 mod models;
+mod monitoring;
 mod report;
 mod startup;
 mod training;
@@ -277,6 +278,7 @@ fn processes(kind: ModelKind, strategy: Strategy, plan: &Plan) -> Throughput {
         samples_per_second: 0.0,
         round_medians: Vec::new(),
         split: None,
+        optimizer_state_mib: None,
         note: Some(note),
     };
     let program = match std::env::current_exe() {
@@ -445,6 +447,8 @@ fn bench(cli: &Cli) -> Results {
     if !cli.skip_prefetch {
         results.prefetch = prefetch(&plan, round_count);
     }
+    eprintln!("monitoring: its cost per step");
+    results.monitoring = Some(monitoring::measure(round_count.max(3), 200_000));
     eprintln!("start-up: connections with and without the handshake");
     match startup::measure(if cli.long { 200 } else { 40 }) {
         Ok(cost) => results.startup = Some(cost),

@@ -90,6 +90,9 @@ pub struct Results {
     /// What the job's authentication costs at start-up.
     #[serde(default)]
     pub startup: Option<crate::startup::StartupCost>,
+    /// What the per-step monitoring costs.
+    #[serde(default)]
+    pub monitoring: Option<crate::monitoring::MonitoringCost>,
     /// Why a measurement is missing (a peer not installed, a feature not built).
     #[serde(default)]
     pub notes: Vec<String>,
@@ -191,9 +194,7 @@ impl Results {
                 .and_then(|s| s.collectives_per_step)
                 .map_or("-".into(), |c| format!("{c:.2}"));
             let state = t
-                .split
-                .as_ref()
-                .and_then(|s| s.optimizer_state_mib)
+                .optimizer_state_mib
                 .map_or("-".into(), |m| format!("{m:.1} MiB"));
             let _ = writeln!(
                 md,
@@ -213,6 +214,46 @@ impl Results {
             md,
             "| both | Burn `ExecutionStrategy::ddp` | - | - | - | skipped: needs Burn's `distributed` feature, whose `DistributedBackend` the CPU backends lack (CUDA only) | - | - | - |\n"
         );
+
+        if let Some(cost) = &self.monitoring {
+            // The fastest step any strategy took: the largest share the monitoring can have.
+            let fastest = self
+                .throughput
+                .iter()
+                .filter(|t| t.samples_per_second > 0.0)
+                .map(|t| {
+                    let steps_per_s = t.samples_per_second / self.global_batch() as f64;
+                    (1e9 / steps_per_s, t)
+                })
+                .min_by(|a, b| a.0.total_cmp(&b.0));
+            let _ = writeln!(md, "## Monitoring cost\n");
+            match fastest {
+                Some((step_ns, t)) => {
+                    let _ = writeln!(
+                        md,
+                        "burn-ddp's per-step monitoring (the step's clock readings and the spike detector) takes {:.0} ns per step (median of {} rounds: {}), {:.4}% of the fastest step measured above ({:.1} ms, {} with {}).\n",
+                        cost.per_step_ns,
+                        cost.rounds.len(),
+                        cost.rounds
+                            .iter()
+                            .map(|r| format!("{r:.0}"))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        100.0 * cost.per_step_ns / step_ns,
+                        step_ns / 1e6,
+                        t.model.name(),
+                        t.strategy.family()
+                    );
+                }
+                None => {
+                    let _ = writeln!(
+                        md,
+                        "burn-ddp's per-step monitoring takes {:.0} ns per step.\n",
+                        cost.per_step_ns
+                    );
+                }
+            }
+        }
 
         if !self.prefetch.is_empty() {
             let _ = writeln!(
@@ -676,6 +717,7 @@ mod tests {
             samples_per_second: median(rounds),
             round_medians: rounds.to_vec(),
             split: None,
+            optimizer_state_mib: None,
             note: None,
         };
         // The machine drifts from 100 to 200 samples/s; burn-ddp is 10%, 0% and 20% slower in

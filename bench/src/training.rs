@@ -5,10 +5,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
 use burn::module::AutodiffModule;
-use burn::optim::AdamConfig;
+use burn::optim::{AdamConfig, Optimizer};
 use burn::train::logger::InMemoryMetricLogger;
 use burn::train::metric::MetricDefinition;
 use burn::train::renderer::{
@@ -115,9 +116,6 @@ pub struct StepSplit {
     /// versions that did not count them.
     #[serde(default)]
     pub collectives_per_step: Option<f64>,
-    /// The largest optimizer state of any rank at the end, in MiB (`RankReport::optimizer_state`).
-    #[serde(default)]
-    pub optimizer_state_mib: Option<f64>,
 }
 
 /// One run's result.
@@ -136,6 +134,11 @@ pub struct Throughput {
     pub round_medians: Vec<f64>,
     /// Rank 0's step split, for burn-ddp runs.
     pub split: Option<StepSplit>,
+    /// The largest optimizer state a rank holds, in MiB: with burn-ddp's sharding the largest
+    /// share (`RankReport::optimizer_state`), else Adam's whole state (every replica, or Burn's
+    /// main device, holds it); unknown for Burn's `OptimSharded`.
+    #[serde(default)]
+    pub optimizer_state_mib: Option<f64>,
     /// Why the run has no figure (when it failed or does not apply).
     pub note: Option<String>,
 }
@@ -314,6 +317,7 @@ where
         >,
 {
     let device: burn::tensor::Device<B> = Default::default();
+    let whole_optimizer_state = whole_adam_state(&model);
     let n = group
         .as_ref()
         .map_or(strategy.world_size(), |g| g.world_size());
@@ -398,13 +402,15 @@ where
     std::thread::sleep(Duration::from_millis(100));
     let ticks = clock.0.lock().map(|t| t.clone()).unwrap_or_default();
     let windows = windows(&ticks, plan);
-    let optimizer_state_mib = report.as_ref().and_then(|r| {
-        r.ranks
-            .iter()
-            .filter_map(|rank| rank.optimizer_state)
-            .max()
-            .map(|b| b as f64 / (1024.0 * 1024.0))
-    });
+    let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
+    let optimizer_state_mib = match strategy {
+        Strategy::DdpThreadsSharded(_) => report
+            .as_ref()
+            .and_then(|r| r.ranks.iter().filter_map(|rank| rank.optimizer_state).max())
+            .map(mib),
+        Strategy::BurnMultiDeviceSharded(_) => None,
+        _ => whole_optimizer_state,
+    };
     let split = report.and_then(|r| r.ranks.first().cloned()).map(|rank| {
         let steps = rank.comm.steps.max(1) as f64;
         let ms = |d: Duration| d.as_secs_f64() * 1e3 / steps;
@@ -416,7 +422,6 @@ where
             agreement_ms: ms(rank.coordination),
             optimizer_ms: ms(rank.optimizer),
             collectives_per_step: Some(rank.collectives_per_step()),
-            optimizer_state_mib,
         }
     });
     Throughput {
@@ -429,7 +434,23 @@ where
             .then(|| "no complete window was timed".to_string()),
         windows,
         split,
+        optimizer_state_mib,
     }
+}
+
+/// Adam's whole state for `model` in MiB, as `RankReport::optimizer_state` counts it: the record
+/// after one step on a small batch (every parameter then has its moments).
+fn whole_adam_state<M>(model: &M) -> Option<f64>
+where
+    M: TrainStep<Input = FashionBatch<B>, Output = ClassificationOutput<B>> + AutodiffModule<B>,
+{
+    let batch = FashionBatcher.batch(synthetic_images(2), &Default::default());
+    let grads = model.step(batch).grads;
+    let mut adam = AdamConfig::new().init::<B, M>();
+    let _ = adam.step(1e-3, model.clone(), grads);
+    burn_ddp::mechanism::optimizer_state_bytes::<B, _>(adam.to_record())
+        .ok()
+        .map(|bytes| bytes as f64 / (1024.0 * 1024.0))
 }
 
 /// One result from several rounds of the same run: the windows of every round, their median,
@@ -456,6 +477,7 @@ fn failed(model: ModelKind, strategy: Strategy, note: String) -> Throughput {
         samples_per_second: 0.0,
         round_medians: Vec::new(),
         split: None,
+        optimizer_state_mib: None,
         note: Some(note),
     }
 }

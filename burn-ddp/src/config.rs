@@ -401,9 +401,14 @@ impl DdpConfig {
     /// [`all_gather_f32`](crate::group::ExtendedCollectives::all_gather_f32) per step). Optimizer
     /// memory and time per rank fall by the world size; the gradients are still all-reduced, so
     /// clipping, the NaN check and the hooks see them whole. Checkpoints hold the whole optimizer
-    /// state (gathered on rank 0), so a run resumes with another world size or without sharding.
-    /// Needs an optimizer whose record is kept per parameter (Burn's `OptimizerAdaptor`: SGD,
-    /// Adam, AdamW, RmsProp, ...). Default `false`. Every rank must use the same setting.
+    /// state (gathered on rank 0), so a run resumes with another world size or without sharding;
+    /// while one is written, rank 0 holds the whole state again and every rank every share in
+    /// host memory. Needs an optimizer whose record is kept per parameter (Burn's
+    /// `OptimizerAdaptor`: SGD, Adam, AdamW, RmsProp, ...). Limits: the parameters' all-gather
+    /// goes through host memory (NCCL's too), and the first steps' check that every rank runs the
+    /// same optimizer cannot see a difference (the all-gather makes the parameters equal).
+    /// Default `false`. Every rank must use the same setting, and under sharding the same
+    /// checkpointing (checked at start-up).
     pub fn with_optimizer_sharding(mut self, shard: bool) -> Self {
         self.optimizer_sharding = shard;
         self
@@ -417,9 +422,10 @@ impl DdpConfig {
     /// Rank 0 appends the run's figures to `path` as JSON Lines, for plotting: one line per
     /// training step as rank 0 reports it to burn-train (`{"kind":"step","epoch","step",
     /// "samples","samples_per_s","lr","loss","step_ms","compute_ms","optimizer_ms",
-    /// "peak_memory"}`: the step's global batch, the loss of burn-train's output types (mean
-    /// over the global batch; `null` for other outputs), rank 0's own times in milliseconds and
-    /// its process's peak memory in bytes), and at the end one line per rank
+    /// "peak_memory"}`: the step's global batch and its samples over rank 0's time for the step,
+    /// the loss of burn-train's output types (mean over the global batch; for other outputs
+    /// `samples`, `samples_per_s` and `loss` are `null`), rank 0's own times in milliseconds
+    /// and its process's peak memory in bytes), and at the end one line per rank
     /// (`{"kind":"rank","rank","batches","compute_s","sync_s","optimizer_s","utilization",
     /// "sync_median_ms","sync_p90_ms","spikes","peak_memory","optimizer_state"}`, from
     /// [`RankReport`](crate::metrics::RankReport)). In process mode the step lines come in

@@ -21,7 +21,7 @@ use crate::replica::{
     verify_values_across,
 };
 use crate::sharding::OptimizerShards;
-use crate::sharding::state::{gather_record, own_record};
+use crate::sharding::state::{Keys, gather_record, own_record};
 
 /// Gradient synchronisation for one replica of a model, for training loops you write yourself.
 ///
@@ -277,6 +277,10 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             return Err(err);
         }
         options.words.extend(position.words());
+        if let (Some(shards), None) = (&self.shards, &options.keep) {
+            // Only this rank's parameters are stepped: the others' are not copied back.
+            options.keep = Some(shards.own());
+        }
         let mut outcome = self.reducer.reduce_with::<B::InnerBackend>(
             &Replica::<B, M>::new(model),
             grads,
@@ -403,17 +407,24 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     }
 
     /// The whole optimizer state for a checkpoint: with sharding, every rank's share joined on
-    /// rank 0 (`Some` there, `None` elsewhere; every rank must call it); without, `record` itself
-    /// on rank 0. Save what rank 0 gets: any world size, with or without sharding, resumes from
-    /// it ([`own_optimizer_record`](Self::own_optimizer_record)).
+    /// rank 0 (`Some` there, `None` elsewhere; every rank must call it), each entry filed under
+    /// rank 0's parameter ids (replicas in separate processes draw their own); without, `record`
+    /// itself on rank 0. `module` is this rank's model now. Save what rank 0 gets, with rank 0's
+    /// model: any world size, with or without sharding, resumes from the two
+    /// ([`own_optimizer_record`](Self::own_optimizer_record)).
     ///
     /// # Errors
     /// [`DdpError::InvalidConfig`] when the optimizer's record is not kept per parameter (Burn's
     /// `OptimizerAdaptor` is); the collectives' errors.
-    pub fn gather_optimizer_record<R: Record<B>>(&self, record: R) -> Result<Option<R>> {
+    pub fn gather_optimizer_record<M: AutodiffModule<B>, R: Record<B>>(
+        &self,
+        module: &M,
+        record: R,
+    ) -> Result<Option<R>> {
         match &self.shards {
             Some(shards) => gather_record(
                 shards,
+                &Keys::of(module),
                 record,
                 self.reducer.group().as_ref(),
                 self.config.timeout(),
@@ -424,14 +435,19 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     }
 
     /// This rank's share of a whole optimizer `record` (one loaded from a checkpoint), with
-    /// sharding; `record` itself without. Load the result into the optimizer before the first
-    /// step.
+    /// sharding; `record` itself without. `module` is this rank's model with the checkpoint's
+    /// model loaded (its parameter ids are the record's keys). Load the result into the optimizer
+    /// before the first step.
     ///
     /// # Errors
     /// As [`gather_optimizer_record`](Self::gather_optimizer_record), without the collectives'.
-    pub fn own_optimizer_record<R: Record<B>>(&self, record: R) -> Result<R> {
+    pub fn own_optimizer_record<M: AutodiffModule<B>, R: Record<B>>(
+        &self,
+        module: &M,
+        record: R,
+    ) -> Result<R> {
         match &self.shards {
-            Some(shards) => own_record(shards, record, &self.device),
+            Some(shards) => own_record(shards, &Keys::of(module), record, &self.device),
             None => Ok(record),
         }
     }

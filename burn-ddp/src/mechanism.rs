@@ -5,6 +5,7 @@
 //! environment, and the [`launch`]er behind the `burn-ddp` binary. A Burn training needs none of
 //! it; these items may change between minor versions more readily than the crate root's.
 
+pub use crate::monitor::SyncWatch;
 pub use crate::reducer::compress;
 pub use crate::reducer::{Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
 pub use crate::replica::{
@@ -13,6 +14,7 @@ pub use crate::replica::{
     value_fingerprint, verify_values_across,
 };
 pub use crate::sharding::OptimizerShards;
+pub use crate::sharding::state::optimizer_state_bytes;
 pub use crate::sync_bn::SyncBatchNormGuard;
 pub use crate::topology::{Topology, TopologySource};
 

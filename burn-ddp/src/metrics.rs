@@ -95,19 +95,25 @@ pub struct RankReport {
     /// The distribution of this rank's gradient synchronisation times, with its spikes.
     pub sync: SyncTimes,
     /// Peak resident memory of this rank's process, in bytes (Linux `VmHWM`; ranks that are
-    /// threads of one process share it); `None` where the system does not tell. Device memory
-    /// on CUDA is not reported yet.
+    /// threads of one process share it); `None` where the system does not tell. Device memory:
+    /// [`device_memory`](Self::device_memory).
     pub peak_memory: Option<u64>,
-    /// Bytes of this rank's optimizer state at the end of training (the tensors of its record
-    /// at full precision: Adam's two moments of every parameter it steps; with
-    /// [`DdpConfig::with_optimizer_sharding`](crate::DdpConfig::with_optimizer_sharding), of its
-    /// own parameters only). `None` where the optimizer's record is not kept per parameter.
+    /// Bytes of this rank's optimizer state at the end of training, with
+    /// [`DdpConfig::with_optimizer_sharding`](crate::DdpConfig::with_optimizer_sharding): its
+    /// share, the record's entries at full precision (Adam's two moments of each parameter it
+    /// owns), as [`optimizer_state_bytes`](crate::mechanism::optimizer_state_bytes) counts them.
+    /// `None` without sharding (every rank then holds the whole state, which reading would copy
+    /// to the host) and where the optimizer's record is not kept per parameter.
     pub optimizer_state: Option<u64>,
+    /// Device memory held by the backend's memory pools on this rank's device at the end of
+    /// training, in bytes (CubeCL's reserved bytes; its pools keep what they took, so this is
+    /// close to the peak): CUDA devices; `None` on CPU devices.
+    pub device_memory: Option<u64>,
 }
 
 impl RankReport {
     /// Words of [`to_words`](Self::to_words).
-    pub(crate) const WORDS: usize = 24;
+    pub(crate) const WORDS: usize = 25;
 
     /// The report as fixed-length words, for gathering every process's report on rank 0.
     pub(crate) fn to_words(&self) -> Vec<u64> {
@@ -138,6 +144,7 @@ impl RankReport {
             self.sync.spike_factor.to_bits(),
             self.peak_memory.unwrap_or(u64::MAX),
             self.optimizer_state.unwrap_or(u64::MAX),
+            self.device_memory.unwrap_or(u64::MAX),
         ]
     }
 
@@ -176,6 +183,7 @@ impl RankReport {
             },
             peak_memory: (w[22] != u64::MAX).then_some(w[22]),
             optimizer_state: (w[23] != u64::MAX).then_some(w[23]),
+            device_memory: (w[24] != u64::MAX).then_some(w[24]),
         })
     }
 
@@ -266,7 +274,7 @@ impl fmt::Display for TrainingReport {
             writeln!(
                 f,
                 "          utilization {:.0}%, synchronisation median {:.1?}, p90 {:.1?}, max \
-                 {:.1?}, {} spike(s) over {}x the median, peak memory {}, optimizer state {}",
+                 {:.1?}, {} spike(s) over {}x the median, peak memory {}",
                 100.0 * r.utilization(),
                 r.sync.median,
                 r.sync.p90,
@@ -274,8 +282,13 @@ impl fmt::Display for TrainingReport {
                 r.sync.spikes,
                 r.sync.spike_factor,
                 r.peak_memory.map_or("unknown".to_string(), mib),
-                r.optimizer_state.map_or("unknown".to_string(), mib),
             )?;
+            if let Some(bytes) = r.optimizer_state {
+                writeln!(f, "          optimizer state (its share) {}", mib(bytes))?;
+            }
+            if let Some(bytes) = r.device_memory {
+                writeln!(f, "          device memory {}", mib(bytes))?;
+            }
         }
         Ok(())
     }
@@ -474,6 +487,7 @@ mod tests {
             },
             peak_memory: Some(123 << 20),
             optimizer_state: Some(45 << 20),
+            device_memory: Some(3 << 30),
         };
         let words = report.to_words();
         assert_eq!(words.len(), RankReport::WORDS);
@@ -481,6 +495,7 @@ mod tests {
         let unknown = RankReport {
             peak_memory: None,
             optimizer_state: None,
+            device_memory: None,
             ..report
         };
         assert_eq!(RankReport::from_words(&unknown.to_words()), Some(unknown));

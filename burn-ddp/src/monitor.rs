@@ -25,8 +25,12 @@ const PER_OCTAVE: f64 = 8.0;
 /// Buckets: microseconds from 1 to 2^48.
 const BUCKETS: usize = 48 * 8;
 
-/// One rank's synchronisation times (see the [module docs](self)).
-pub(crate) struct SyncWatch {
+/// One rank's gradient-synchronisation times: their distribution (a histogram with eight buckets
+/// per doubling) and the spikes, a time over `factor` times the median of the previous 64 once 8
+/// were seen (the first three per watch logged as warnings). What
+/// [`RankReport::sync`](crate::metrics::RankReport::sync) reports; public for the benchmark's
+/// measure of its cost.
+pub struct SyncWatch {
     factor: f64,
     recent: VecDeque<Duration>,
     histogram: Vec<u64>,
@@ -36,7 +40,8 @@ pub(crate) struct SyncWatch {
 }
 
 impl SyncWatch {
-    /// A watch calling spikes at `factor` times the running median (`factor` > 1).
+    /// A watch calling spikes at `factor` times the running median (`factor` > 1, as
+    /// [`DdpConfig::with_spike_factor`](crate::DdpConfig::with_spike_factor) checks).
     pub fn new(factor: f64) -> Self {
         Self {
             factor,
@@ -139,9 +144,32 @@ pub(crate) fn peak_resident_bytes() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// Device memory the backend's memory pools hold on `device`, in bytes (CubeCL's
+/// `MemoryUsage::bytes_reserved`: the pools keep what they took from the driver, so at the end of
+/// training this is close to the peak): CUDA devices with the `cuda` feature; `None` for any
+/// other device.
+pub(crate) fn device_memory_bytes<D: std::any::Any>(device: &D) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Some(cuda) = (device as &dyn std::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>() {
+        use cubecl::Runtime;
+        return cubecl::cuda::CudaRuntime::client(cuda)
+            .memory_usage()
+            .ok()
+            .map(|usage| usage.bytes_reserved);
+    }
+    let _ = device;
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cpu_device_has_no_device_memory_to_report() {
+        let device: burn::backend::ndarray::NdArrayDevice = Default::default();
+        assert_eq!(device_memory_bytes(&device), None);
+    }
 
     fn ms(v: f64) -> Duration {
         Duration::from_secs_f64(v / 1e3)

@@ -270,12 +270,22 @@ fn the_report_shows_utilization_sync_spikes_and_memory_per_rank_in_threads_and_p
 
 #[test]
 fn sharding_splits_the_optimizer_state_between_the_ranks_in_threads_and_processes() {
-    use burn::optim::AdamConfig;
+    use burn::optim::{AdamConfig, GradientsParams, Optimizer};
     use burn_ddp::DdpConfig;
+    use burn_ddp::mechanism::optimizer_state_bytes;
     use burn_ddp::metrics::TrainingReport;
     let model = materialized(Mlp::new(&device()));
-    let run = Run::new(Some(2), 16, 4 * 16);
-    let states = |report: &TrainingReport| -> Vec<u64> {
+    // The whole state: plain Burn's Adam after a step of the same model (every parameter has
+    // its two moments; their sizes do not depend on the values).
+    let whole = {
+        let x =
+            burn::tensor::Tensor::<TestBackend, 2>::ones([2, burn_ddp_tests::FEATURES], &device());
+        let grads = GradientsParams::from_grads(model.forward(x).sum().backward(), &model);
+        let mut adam = AdamConfig::new().init::<TestBackend, Mlp<TestBackend>>();
+        let _ = adam.step(1e-2, model.clone(), grads);
+        optimizer_state_bytes::<TestBackend, _>(adam.to_record()).unwrap()
+    };
+    let shares = |report: &TrainingReport| -> Vec<u64> {
         report
             .ranks
             .iter()
@@ -285,25 +295,25 @@ fn sharding_splits_the_optimizer_state_between_the_ranks_in_threads_and_processe
             })
             .collect()
     };
+    let mut run = Run::new(Some(2), 16, 4 * 16);
     let (_, replicated) =
         run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run).unwrap();
-    let replicated = states(&replicated.unwrap());
-    assert_eq!(
-        replicated[0], replicated[1],
-        "every replica holds the whole state"
+    assert!(
+        replicated
+            .unwrap()
+            .ranks
+            .iter()
+            .all(|r| r.optimizer_state.is_none()),
+        "without sharding the state is not read"
     );
-    let sharded = Run {
-        config: DdpConfig::default().with_optimizer_sharding(true),
-        ..run.clone()
-    };
-    let (_, threads) =
-        run_training(model.clone(), AdamConfig::new().init(), 1e-2, &sharded).unwrap();
+    run.config = DdpConfig::default().with_optimizer_sharding(true);
+    let (_, threads) = run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run).unwrap();
     let threads = threads.unwrap();
     let reports = over_tcp(2, |_, group| {
         let run = Run {
             group: Some(group),
             replicas: None,
-            ..sharded.clone()
+            ..run.clone()
         };
         run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run)
             .unwrap()
@@ -311,16 +321,15 @@ fn sharding_splits_the_optimizer_state_between_the_ranks_in_threads_and_processe
     });
     let processes = reports.into_iter().next().unwrap().unwrap().unwrap();
     for (mode, report) in [("threads", &threads), ("processes", &processes)] {
-        let shares = states(report);
+        let shares = shares(report);
         assert_eq!(
             shares.iter().sum::<u64>(),
-            replicated[0],
-            "{mode}: the shares {shares:?} make up the whole state"
+            whole,
+            "{mode}: the shares {shares:?} make up plain Burn's whole state"
         );
         assert!(
-            shares.iter().all(|&s| 0 < s && s < replicated[0]),
-            "{mode}: every rank holds a part: {shares:?} of {}",
-            replicated[0]
+            shares.iter().all(|&s| 0 < s && s < whole),
+            "{mode}: every rank holds a part: {shares:?} of {whole}"
         );
         assert!(report.to_string().contains("optimizer state"), "{mode}");
     }

@@ -15,7 +15,8 @@ use burn_ddp::mechanism::topology::{Topology, TopologySource};
 use burn_ddp::{DdpConfig, DdpError, ProcessGroup, group::TcpGroup};
 use burn_ddp_tests::{
     Batch, BnCnn, CountingScheduler, Hooked, Mlp, Recording, Run, TestBackend, ValidKind, copy_of,
-    device, float_tensors, materialized, max_relative_difference, run_training, with_values,
+    deterministic_mlp, device, float_tensors, materialized, max_relative_difference, over_tcp,
+    run_training, with_values,
 };
 
 /// `M` (the MLP, or the BatchNorm CNN, whose forward pass then writes NaN into the replica's
@@ -350,6 +351,44 @@ fn a_sharded_run_checkpoints_the_whole_optimizer_state_and_resumes_with_any_worl
             "resumed on {replicas} ranks (sharding {shard}) differs from one device by {diff}"
         );
     }
+}
+
+#[test]
+fn a_sharded_job_of_processes_resumes_every_ranks_optimizer_state() {
+    // Every rank builds its own model, as separate processes do: the same values (the start-up
+    // broadcast makes sure of it) under parameter ids of its own, until a checkpoint's are
+    // loaded everywhere.
+    let train = |run: &Run| -> Vec<Vec<f32>> {
+        let results = over_tcp(2, |_, group| {
+            let run = Run {
+                group: Some(group),
+                replicas: None,
+                ..run.clone()
+            };
+            run_training(deterministic_mlp(), AdamConfig::new().init(), 1e-2, &run).map(|r| r.0)
+        });
+        let mut results = results.into_iter().map(|r| r.unwrap().unwrap());
+        let rank0 = results.next().unwrap();
+        assert!(results.all(|other| other == rank0), "the ranks differ");
+        rank0
+    };
+    let mut run = Run::new(None, 16, 6 * 16);
+    run.config = DdpConfig::default().with_optimizer_sharding(true);
+    run.epochs = 2;
+    run.artifacts = Some(scratch("tcp-sharded-uninterrupted"));
+    let straight = train(&run);
+    run.artifacts = Some(scratch("tcp-sharded-interrupted"));
+    run.epochs = 1;
+    train(&run);
+    run.epochs = 2;
+    run.resume_after = Some(1);
+    // Rank 1's share must reach the checkpoint under rank 0's ids, or its parameters restart
+    // their Adam moments.
+    assert_eq!(
+        train(&run),
+        straight,
+        "the resumed job must match the uninterrupted one bit for bit"
+    );
 }
 
 #[test]

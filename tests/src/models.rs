@@ -30,7 +30,8 @@ impl<B: Backend> Mlp<B> {
         }
     }
 
-    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+    /// The logits of `inputs` (`[batch, FEATURES]` → `[batch, CLASSES]`).
+    pub fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
         self.fc2
             .forward(self.activation.forward(self.fc1.forward(inputs)))
     }

@@ -10,10 +10,14 @@
 //!   example with CUDA (release, stripped, gzipped) and writes them to DIR (default
 //!   `target/gpu-check`) with `run.sh`, the script that runs the GPU checks on a machine with a
 //!   GPU and no Rust toolchain (see README).
+//! - `cargo xtask loss-curves [--workers N] [--out DIR] [-- ARGS]`: the example's training loss
+//!   on one device and on N replicas from the same seed, drawn into `DIR/loss.svg`.
 //! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
 //!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
 //!   example's binary (`fashion-mnist`, `custom-loop`), builds it too and runs that binary (with
 //!   its `cuda` feature when the program's arguments say `--device cuda`).
+
+mod loss_curves;
 
 use std::process::{Command, ExitCode};
 
@@ -43,6 +47,19 @@ enum Task {
         /// Directory for the binary and the script.
         #[arg(long, default_value = "target/gpu-check")]
         out: std::path::PathBuf,
+    },
+    /// Train the Fashion-MNIST example on one device (plain Burn) and on N replicas (burn-ddp)
+    /// from the same seed and draw both training-loss curves into one SVG.
+    LossCurves {
+        /// Replicas of the burn-ddp run.
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        /// Directory for both runs' artifacts and `loss.svg`.
+        #[arg(long, default_value = "target/loss-curves")]
+        out: std::path::PathBuf,
+        /// Arguments for both runs of the example, after `--` (e.g. `--epochs 2`).
+        #[arg(last = true)]
+        args: Vec<String>,
     },
     /// Build an example in release mode and run it.
     Example {
@@ -89,6 +106,7 @@ fn main() -> ExitCode {
             run(cargo)
         }
         Task::GpuCheck { out } => gpu_check(&out),
+        Task::LossCurves { workers, out, args } => loss_curves::loss_curves(workers, &out, &args),
         Task::Example {
             name,
             bin,

@@ -262,13 +262,16 @@ impl HostPhase {
     }
 
     /// Writes the reduced gradients (times `scale`) into `grads`, leaving out the parameters no
-    /// rank had a gradient for. Returns the buffers, for the next step.
+    /// rank had a gradient for and those `keep` leaves out. Returns the buffers, for the next
+    /// step.
+    #[allow(clippy::too_many_arguments)]
     pub fn unflatten<B: Backend>(
         self,
         layout: &BucketLayout,
         specs: &[TensorSpec],
         grads: &mut GradientsParams,
         scale: f32,
+        keep: Option<&[bool]>,
         device: &B::Device,
         rank: usize,
     ) -> Result<Vec<Vec<f32>>> {
@@ -287,6 +290,9 @@ impl HostPhase {
                     continue;
                 }
                 let spec = &specs[p];
+                if keep.is_some_and(|keep| !keep.get(spec.index).copied().unwrap_or(true)) {
+                    continue;
+                }
                 let source = &buffer[bucket.offsets[j]..bucket.offsets[j] + spec.numel()];
                 // This rank's own gradient storage when it had one (no allocation), else new.
                 let mut data = data

@@ -366,7 +366,16 @@ impl Reducer {
             return Ok((outcome, second.map(|s| s.adopted)));
         }
         let work = (&agreed.layout, agreed.params.as_slice(), keep);
-        buckets.unflatten::<B>(link, first, work, &mut outcome.grads, verdict.scale, device)?;
+        let keep = options.keep.as_deref();
+        buckets.unflatten::<B>(
+            link,
+            first,
+            work,
+            &mut outcome.grads,
+            verdict.scale,
+            keep,
+            device,
+        )?;
         let adopted = match second {
             Some(s) => {
                 let work = (&s.layout, s.specs.as_slice(), false);
@@ -376,6 +385,7 @@ impl Reducer {
                     work,
                     &mut outcome.grads,
                     verdict.scale,
+                    keep,
                     device,
                 )?;
                 Some(s.adopted)

@@ -71,6 +71,12 @@ pub struct ReduceOptions {
     /// rank's was. At most [`ReduceOptions::MAX_WORDS`]; the bucket always carries that many (the
     /// rest zeros), so its size never depends on a rank's input. Default: none.
     pub words: Vec<f32>,
+    /// Which of the model's float tensors (registration order, as
+    /// [`TensorSpec::index`](crate::mechanism::TensorSpec::index)) get their reduced gradient
+    /// written back into the result; `None`, all (the default). Optimizer-state sharding keeps
+    /// each rank's own parameters, and saves copying the others' out of the host buckets (the
+    /// NCCL device buckets write every gradient back).
+    pub keep: Option<std::sync::Arc<[bool]>>,
 }
 
 impl ReduceOptions {
@@ -87,6 +93,7 @@ impl Default for ReduceOptions {
             clip_norm: None,
             check_finite: false,
             words: Vec::new(),
+            keep: None,
         }
     }
 }

@@ -68,9 +68,11 @@ impl Buckets {
         }
     }
 
-    /// Writes one phase's reduced gradients (times `scale`) into `grads`; keeps an agreed host
+    /// Writes one phase's reduced gradients (times `scale`) into `grads` (host buckets: those
+    /// `keep` keeps, [`ReduceOptions::keep`](super::ReduceOptions::keep)); keeps an agreed host
     /// phase's buffers for the next step. `work`: the phase's layout, parameters, and whether the
     /// layout is the agreed one.
+    #[allow(clippy::too_many_arguments)]
     pub fn unflatten<B: Backend>(
         &mut self,
         link: &Link,
@@ -78,13 +80,14 @@ impl Buckets {
         work: (&BucketLayout, &[TensorSpec], bool),
         grads: &mut GradientsParams,
         scale: f32,
+        keep: Option<&[bool]>,
         device: &B::Device,
     ) -> Result<()> {
         let (layout, specs, agreed) = work;
         match phase {
             Phase::Host(phase) => {
                 let buffers =
-                    phase.unflatten::<B>(layout, specs, grads, scale, device, link.rank())?;
+                    phase.unflatten::<B>(layout, specs, grads, scale, keep, device, link.rank())?;
                 if let (Buckets::Host(host), true) = (self, agreed) {
                     host.keep(buffers);
                 }

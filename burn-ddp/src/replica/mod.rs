@@ -575,7 +575,7 @@ pub use values::{
 };
 pub(crate) use values::{
     average_selected, broadcast_autodiff_module, broadcast_selected, fingerprint_of, fnv,
-    restore_selected, snapshot_selected,
+    restore_selected, snapshot_selected, snapshot_selected_into,
 };
 
 #[cfg(test)]

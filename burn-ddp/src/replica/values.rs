@@ -63,11 +63,25 @@ impl<B: Backend> ModuleVisitor<B> for Pack<'_> {
         }
         let data = param.val().into_data();
         match self.encoding {
-            Encoding::Bytes => self.words.extend(data.as_bytes().chunks(4).map(|chunk| {
-                let mut word = [0u8; 4];
-                word[..chunk.len()].copy_from_slice(chunk);
-                f32::from_bits(u32::from_le_bytes(word))
-            })),
+            Encoding::Bytes => {
+                let bytes = data.as_bytes();
+                let whole = bytes.len() / 4 * 4;
+                // Whole words in one copy when the bytes are aligned (they are for every
+                // backend's f32 storage), else word by word.
+                match bytemuck::try_cast_slice::<u8, f32>(&bytes[..whole]) {
+                    Ok(words) => self.words.extend_from_slice(words),
+                    Err(_) => self.words.extend(
+                        bytes[..whole]
+                            .chunks_exact(4)
+                            .map(|c| f32::from_bits(bytemuck::pod_read_unaligned(c))),
+                    ),
+                }
+                if whole < bytes.len() {
+                    let mut word = [0u8; 4];
+                    word[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
+                    self.words.push(f32::from_bits(u32::from_ne_bytes(word)));
+                }
+            }
             Encoding::Values => {
                 let data = data.convert::<f32>();
                 match data.as_slice::<f32>() {
@@ -127,10 +141,10 @@ impl<B: Backend> ModuleMapper<B> for Unpack<'_> {
             Encoding::Bytes => {
                 let len = numel * dtype.size();
                 let words = len.div_ceil(4);
-                let mut bytes: Vec<u8> = self.words[self.offset..self.offset + words]
-                    .iter()
-                    .flat_map(|w| w.to_bits().to_le_bytes())
-                    .collect();
+                // One copy of the words' bytes (native order, as `Pack` read them).
+                let mut bytes: Vec<u8> =
+                    bytemuck::cast_slice::<f32, u8>(&self.words[self.offset..self.offset + words])
+                        .to_vec();
                 bytes.truncate(len);
                 self.offset += words;
                 TensorData::from_bytes_vec(bytes, shape, dtype)
@@ -323,7 +337,18 @@ pub(crate) fn broadcast_selected<B: Backend, M: Module<B>>(
 /// [`restore_selected`] puts back. Flush `RunningState`'s pending updates first if they must
 /// count (`AutodiffModule::valid` does).
 pub(crate) fn snapshot_selected<B: Backend, M: Module<B>>(module: &M, select: &[bool]) -> Vec<f32> {
+    snapshot_selected_into(module, select, Vec::new())
+}
+
+/// [`snapshot_selected`] into `words` (cleared first; its allocation is reused).
+pub(crate) fn snapshot_selected_into<B: Backend, M: Module<B>>(
+    module: &M,
+    select: &[bool],
+    mut words: Vec<f32>,
+) -> Vec<f32> {
+    words.clear();
     let mut pack = Pack::new(Encoding::Bytes, Some(select));
+    pack.words = words;
     module.visit(&mut pack);
     pack.words
 }

@@ -23,7 +23,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::error::Result;
 use crate::group::{ExtendedCollectives, ProcessGroup};
-use crate::replica::{ReplicaLayout, TensorKind, restore_selected, snapshot_selected};
+use crate::replica::{ReplicaLayout, TensorKind, restore_selected, snapshot_selected_into};
 
 /// Which rank owns which parameters under optimizer-state sharding.
 ///
@@ -33,7 +33,7 @@ use crate::replica::{ReplicaLayout, TensorKind, restore_selected, snapshot_selec
 /// each to the rank that owns the fewest bytes so far (ties to the lower rank): the greedy
 /// "longest processing time" rule, within 4/3 of the best balance, and computed by every rank
 /// from the layout alone (no communication). Buffers are not owned: every rank keeps its own.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct OptimizerShards {
     rank: usize,
     world_size: usize,
@@ -41,11 +41,24 @@ pub struct OptimizerShards {
     owners: Vec<Option<usize>>,
     /// 4-byte words of each tensor packed raw (registration order).
     words: Vec<usize>,
-    /// The owner of each parameter id, by `ParamId::serialize` (the optimizer records' keys).
-    by_key: HashMap<String, usize>,
     /// Bytes owned by each rank.
     bytes: Vec<u64>,
+    /// For each float tensor, whether this rank owns it.
+    own: std::sync::Arc<[bool]>,
+    /// The all-gather's send and receive buffers, reused (clones share them).
+    buffers: std::sync::Arc<std::sync::Mutex<(Vec<f32>, Vec<f32>)>>,
 }
+
+impl PartialEq for OptimizerShards {
+    /// The same assignment seen from the same rank.
+    fn eq(&self, other: &Self) -> bool {
+        self.rank == other.rank
+            && self.world_size == other.world_size
+            && self.owners == other.owners
+    }
+}
+
+impl Eq for OptimizerShards {}
 
 impl OptimizerShards {
     /// The assignment of `layout`'s parameters to `world_size` ranks, seen from `rank`.
@@ -71,7 +84,7 @@ impl OptimizerShards {
             bytes[least] += size;
             owner_of.insert(id, least);
         }
-        let owners = tensors
+        let owners: Vec<Option<usize>> = tensors
             .iter()
             .map(|t| {
                 (t.kind != TensorKind::Buffer)
@@ -79,22 +92,26 @@ impl OptimizerShards {
                     .flatten()
             })
             .collect();
+        let own = owners.iter().map(|o| *o == Some(rank)).collect();
         let words = tensors
             .iter()
             .map(|t| (t.numel() * t.element_bytes).div_ceil(4))
-            .collect();
-        let by_key = owner_of
-            .into_iter()
-            .map(|(id, owner)| (id.serialize(), owner))
             .collect();
         Self {
             rank,
             world_size,
             owners,
             words,
-            by_key,
             bytes,
+            own,
+            buffers: Default::default(),
         }
+    }
+
+    /// For each float tensor (registration order), whether this rank owns it: the
+    /// [`ReduceOptions::keep`](crate::mechanism::ReduceOptions::keep) of a sharded step.
+    pub fn own(&self) -> std::sync::Arc<[bool]> {
+        self.own.clone()
     }
 
     /// The owner of each float tensor in registration order (`None`: a buffer).
@@ -107,10 +124,10 @@ impl OptimizerShards {
         &self.bytes
     }
 
-    /// The owner of the parameter whose `ParamId::serialize` is `key` (an optimizer record's
-    /// key), if it is one of the model's.
-    pub fn owner_of_key(&self, key: &str) -> Option<usize> {
-        self.by_key.get(key).copied()
+    /// The owner of float tensor `index` (registration order); `None` for a buffer or an index
+    /// past the model's tensors.
+    pub fn owner(&self, index: usize) -> Option<usize> {
+        self.owners.get(index).copied().flatten()
     }
 
     /// This rank.
@@ -169,10 +186,14 @@ impl OptimizerShards {
         };
         let selections: Vec<Vec<bool>> = (0..self.world_size).map(select).collect();
         let block = selections.iter().map(|s| share(s)).max().unwrap_or(0);
-        let mut mine = snapshot_selected(&module, &selections[self.rank]);
+        // Buffers kept from step to step: a fresh 2 x 11 MB a step (the benchmark's MLP on 2
+        // ranks) cost more in page faults than the copies themselves.
+        let mut buffers = crate::group::lock(&self.buffers);
+        let (mine, all) = &mut *buffers;
+        *mine = snapshot_selected_into(&module, &selections[self.rank], std::mem::take(mine));
         mine.resize(block, 0.0);
-        let mut all = vec![0.0f32; block * self.world_size];
-        group.all_gather_f32(&mine, &mut all, timeout)?;
+        all.resize(block * self.world_size, 0.0);
+        group.all_gather_f32(mine, all, timeout)?;
         let mut module = module;
         for (owner, select) in selections.iter().enumerate() {
             if owner != self.rank && select.contains(&true) {

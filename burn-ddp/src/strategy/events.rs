@@ -142,7 +142,7 @@ where
                     file.step(
                         progress_global.items_processed,
                         step + 1,
-                        0,
+                        None,
                         lr,
                         None,
                         times,
@@ -411,7 +411,7 @@ fn emit_ready<LC: LearningComponentsTypes>(
             file.step(
                 progress_global.items_processed,
                 step + 1,
-                (codec.samples)(&output),
+                Some((codec.samples)(&output)),
                 meta.lr,
                 (codec.loss)(&output),
                 meta.times,

@@ -4,7 +4,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -27,7 +27,7 @@ struct StepLine {
     kind: &'static str,
     epoch: usize,
     step: usize,
-    samples: usize,
+    samples: Option<usize>,
     samples_per_s: Option<f64>,
     lr: Option<f64>,
     loss: Option<f64>,
@@ -60,8 +60,6 @@ pub(super) struct MetricsFile {
     writer: Option<BufWriter<File>>,
     /// Set once a write failed (warned once, then the file is left alone).
     failed: bool,
-    /// When the previous step line was written (its samples/s).
-    last: Option<Instant>,
 }
 
 impl MetricsFile {
@@ -71,26 +69,24 @@ impl MetricsFile {
             path: path.to_path_buf(),
             writer: None,
             failed: false,
-            last: None,
         }
     }
 
-    /// Appends the line of training step `step` (1-based in the epoch) of `epoch`.
-    #[allow(clippy::too_many_arguments)]
+    /// Appends the line of training step `step` (1-based in the epoch) of `epoch`: `samples` of
+    /// the global batch (`None`: not known, an output type burn-ddp cannot join), its samples/s
+    /// over rank 0's time for the step.
     pub fn step(
         &mut self,
         epoch: usize,
         step: usize,
-        samples: usize,
+        samples: Option<usize>,
         lr: Option<f64>,
         loss: Option<f64>,
         times: StepTimes,
     ) {
-        let now = Instant::now();
-        let samples_per_s = self
-            .last
-            .map(|last| samples as f64 / now.duration_since(last).as_secs_f64().max(1e-9));
-        self.last = Some(now);
+        let samples_per_s = samples
+            .filter(|_| !times.wall.is_zero())
+            .map(|samples| samples as f64 / times.wall.as_secs_f64());
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         self.write(&StepLine {
             kind: "step",
@@ -172,11 +168,11 @@ mod tests {
             compute: Duration::from_millis(12),
             optimizer: Duration::from_millis(3),
         };
-        file.step(1, 1, 64, Some(0.1), Some(2.5), times);
-        file.step(1, 2, 64, Some(0.1), None, times);
+        file.step(1, 1, Some(64), Some(0.1), Some(2.5), times);
+        file.step(1, 2, None, Some(0.1), None, times);
         drop(file);
         // A resumed run appends.
-        MetricsFile::new(&path).step(2, 1, 64, None, Some(1.0), times);
+        MetricsFile::new(&path).step(2, 1, Some(64), None, Some(1.0), times);
         let text = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<serde_json::Value> = text
             .lines()
@@ -185,8 +181,10 @@ mod tests {
         assert_eq!(lines.len(), 3);
         assert_eq!(lines[0]["kind"], "step");
         assert_eq!(lines[0]["loss"], 2.5);
-        assert_eq!(lines[0]["samples_per_s"], serde_json::Value::Null);
-        assert!(lines[1]["samples_per_s"].as_f64().unwrap() > 0.0);
+        // 64 samples in a 20 ms step.
+        assert!((lines[0]["samples_per_s"].as_f64().unwrap() - 3200.0).abs() < 1e-6);
+        assert_eq!(lines[1]["samples"], serde_json::Value::Null);
+        assert_eq!(lines[1]["samples_per_s"], serde_json::Value::Null);
         assert_eq!(lines[1]["loss"], serde_json::Value::Null);
         assert_eq!(lines[2]["epoch"], 2);
         assert!((lines[0]["compute_ms"].as_f64().unwrap() - 12.0).abs() < 1e-9);
@@ -197,8 +195,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // A directory where the file should be.
         let mut file = MetricsFile::new(dir.path());
-        file.step(1, 1, 1, None, None, StepTimes::default());
+        file.step(1, 1, Some(1), None, None, StepTimes::default());
         assert!(file.failed);
-        file.step(1, 2, 1, None, None, StepTimes::default());
+        file.step(1, 2, Some(1), None, None, StepTimes::default());
     }
 }

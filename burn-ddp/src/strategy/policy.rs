@@ -207,6 +207,7 @@ impl StepPolicy {
             clip_norm: self.clip_norm,
             check_finite: self.non_finite != NonFinite::Ignore,
             words: Vec::new(),
+            keep: None,
         }
     }
 

@@ -25,7 +25,7 @@ use burn::train::{
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::sharding::OptimizerShards;
-use crate::sharding::state::{gather_record, own_record, state_bytes};
+use crate::sharding::state::{Keys, gather_record, optimizer_state_bytes, own_record};
 
 /// A checkpointer that hands each record it is given to a channel (or drops it).
 struct ToMemory<R> {
@@ -122,12 +122,12 @@ impl<LC: LearningComponentsTypes> RecordReader<LC> {
     }
 
     /// Bytes of `learner`'s optimizer state ([`RankReport::optimizer_state`]); `None` when the
-    /// record cannot be read or is not kept per parameter.
+    /// record cannot be read or is not kept per parameter. Copies the state to host memory.
     ///
     /// [`RankReport::optimizer_state`]: crate::metrics::RankReport::optimizer_state
     pub fn state_bytes(&mut self, learner: &Learner<LC>, timeout: Duration) -> Option<u64> {
         let record = self.read(learner, timeout).ok()?;
-        state_bytes::<TrainingBackend<LC>, _>(record).ok()
+        optimizer_state_bytes::<TrainingBackend<LC>, _>(record).ok()
     }
 }
 
@@ -167,7 +167,8 @@ impl Sharded {
             return Ok(());
         }
         let record = reader.read(learner, timeout)?;
-        learner.load_optim(own_record(shards, record, device)?);
+        let keys = Keys::of(&learner.model());
+        learner.load_optim(own_record(shards, &keys, record, device)?);
         Ok(())
     }
 
@@ -217,7 +218,8 @@ impl Sharded {
             0 => Some(reader.read(learner, timeout)?),
             _ => None,
         };
-        if let Some(whole) = gather_record(self.shards()?, own, group, timeout, device)? {
+        let keys = Keys::of(&learner.model());
+        if let Some(whole) = gather_record(self.shards()?, &keys, own, group, timeout, device)? {
             learner.load_optim(whole);
         }
         Ok(kept)

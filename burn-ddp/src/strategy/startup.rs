@@ -120,7 +120,9 @@ fn describe(
         return format!(
             "rank 0 and rank {other} have different DdpConfig training settings (clipping, \
              non-finite policy, uneven inputs, buffer sync, bucket caps, compression, validation, \
-             metrics and check cadences) or gradient accumulation; here: {config}"
+             metrics and check cadences, optimizer sharding, and with it whether checkpoints are \
+             written: a file checkpointer and a checkpoint directory on every rank or none) or \
+             gradient accumulation; here: {config}"
         );
     }
     if first.train_items != theirs.train_items {

@@ -139,7 +139,9 @@ where
             trainer.resume.synchronisations,
             trainer.resume.optimizer_steps,
         ),
-        settings: trainer.config.semantics_fingerprint() ^ trainer.grad_accumulation as u64,
+        settings: trainer.config.semantics_fingerprint()
+            ^ trainer.grad_accumulation as u64
+            ^ sharded_checkpoints(trainer),
         ..trainer.loaders
     }
     .compare(
@@ -151,15 +153,31 @@ where
     // Counters also on failure: they tell how far the rank got.
     report.comm = ddp.comm_stats().clone();
     report.peak_memory = crate::monitor::peak_resident_bytes();
+    report.device_memory = crate::monitor::device_memory_bytes(&trainer.device);
     result?;
-    report.optimizer_state = trainer
-        .records
-        .state_bytes(&trainer.learner, trainer.config.timeout());
+    if trainer.sharded.is_some() {
+        // This rank's share (reading it copies it to the host: only where it tells something).
+        report.optimizer_state = trainer
+            .records
+            .state_bytes(&trainer.learner, trainer.config.timeout());
+    }
     if !trainer.events.threads && trainer.group.world_size() > 1 {
         gather_reports(trainer, report);
     }
     *model_out = Some(trainer.learner.model());
     Ok(())
+}
+
+/// Under optimizer sharding every rank joins rank 0's checkpoints (it sends its share of the
+/// optimizer state), so whether checkpoints are written (burn-train's file checkpointer, a
+/// checkpoint directory) must be the same on every rank: a word for the start-up comparison.
+fn sharded_checkpoints<LC: LearningComponentsTypes>(trainer: &Trainer<LC>) -> u64 {
+    trainer.sharded.as_ref().map_or(0, |sharded| {
+        let flags = 1
+            + u64::from(sharded.epoch_checkpoints)
+            + 2 * u64::from(trainer.config.checkpoint_dir().is_some());
+        flags.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    })
 }
 
 /// Process mode: every process's report goes to rank 0's summary (one all-gather after the
