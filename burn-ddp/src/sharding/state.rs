@@ -282,13 +282,14 @@ mod tests {
         b: Linear<B>,
     }
 
-    fn adam_after_one_step() -> (
-        Net<B>,
+    /// The record of Burn's Adam on [`Net`].
+    type AdamRecord =
         <burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Net<B>, B> as Optimizer<
             Net<B>,
             B,
-        >>::Record,
-    ) {
+        >>::Record;
+
+    fn adam_after_one_step() -> (Net<B>, AdamRecord) {
         let device = Default::default();
         let net = Net {
             a: LinearConfig::new(4, 3).init::<B>(&device),

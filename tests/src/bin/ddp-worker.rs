@@ -25,7 +25,8 @@
 //! CNN's initial values from seed S (default 11), so a resumed run can start from other values
 //! than the checkpoint's (it then matches only if the checkpoint was read).
 //! `launch N`: runs burn-ddp's launcher with N copies of this program as workers.
-//! `mpi-case`: one `MpiGroup` scenario: `collectives` (every collective on known inputs, each
+//! `mpi-case`: one `MpiGroup` scenario: `collectives` (every collective, the `f32` all-gather and
+//! the reduce-scatter included, on known inputs, each
 //! rank's results to FILE.rankR), `silent` (rank 1 never calls the all-reduce rank 0 waits in,
 //! 1 s timeout), `exit` (rank 1 exits at once without finalising MPI), `mismatch-len` (ranks
 //! all-reduce different lengths), `mismatch-op` (rank 0 all-reduces, the others broadcast),
@@ -370,6 +371,13 @@ fn mpi_case(raw: &[String]) -> ExitCode {
                 .collect();
             group.all_reduce_half(&mut half, format, ReduceOp::Avg, long)?;
             let half: Vec<f32> = half.iter().map(|&b| format.to_f32(b)).collect();
+            // Optimizer-state sharding's collectives: an f32 all-gather (bits copied) and a
+            // reduce-scatter of 5 values per rank.
+            let mut gathered_f32 = vec![0.0f32; 3 * n];
+            group.all_gather_f32(&[rank as f32 + 0.25; 3], &mut gathered_f32, long)?;
+            let whole: Vec<f32> = (0..5 * n).map(|i| collective_input(rank, i)).collect();
+            let mut scattered = vec![0.0f32; 5];
+            group.reduce_scatter(&whole, &mut scattered, ReduceOp::Sum, long)?;
             let tensors = [
                 sum,
                 avg,
@@ -378,6 +386,8 @@ fn mpi_case(raw: &[String]) -> ExitCode {
                 vec![empty.len() as f32],
                 tiny,
                 half,
+                gathered_f32,
+                scattered,
             ];
             if let Some(out) = &out {
                 let file = out.with_extension(format!("rank{rank}"));
