@@ -399,7 +399,9 @@ impl DdpConfig {
     /// parameters only, so Burn's optimizer keeps state (Adam's two moments) for those only, and
     /// the updated parameters are then all-gathered (one
     /// [`all_gather_f32`](crate::group::ExtendedCollectives::all_gather_f32) per step). Optimizer
-    /// memory and time per rank fall by the world size; the gradients are still all-reduced, so
+    /// memory per rank falls by the world size (as far as whole tensors allow), and so does the
+    /// optimizer step's work, but the all-gather adds time back (on the benchmark's 2-core CPU
+    /// as much as it saves, see `bench/README.md`); the gradients are still all-reduced, so
     /// clipping, the NaN check and the hooks see them whole. Checkpoints hold the whole optimizer
     /// state (gathered on rank 0), so a run resumes with another world size or without sharding;
     /// while one is written, rank 0 holds the whole state again and every rank every share in
@@ -429,8 +431,11 @@ impl DdpConfig {
     /// (`{"kind":"rank","rank","batches","compute_s","sync_s","optimizer_s","utilization",
     /// "sync_median_ms","sync_p90_ms","spikes","peak_memory","optimizer_state"}`, from
     /// [`RankReport`](crate::metrics::RankReport)). In process mode the step lines come in
-    /// bursts of [`with_metrics_every`](Self::with_metrics_every). A file that cannot be
-    /// written is a warning, not a failed run. Default: none.
+    /// bursts of [`with_metrics_every`](Self::with_metrics_every). Lines are appended: a resumed
+    /// run continues the file, and so does a new run at the same path (nothing in a line tells
+    /// runs apart: give each run its own path). A file that cannot be written is a warning, not
+    /// a failed run. Refused by [`DistributedDataParallel`](crate::DistributedDataParallel) (a
+    /// custom loop writes its own). Default: none.
     pub fn with_metrics_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
         self.metrics_file = Some(path.into());
         self

@@ -16,9 +16,27 @@ struct Curve {
     losses: Vec<f64>,
 }
 
-/// Builds the example, trains it both ways into `out`, draws `out/loss.svg`.
+/// Builds the example, trains it both ways into `out`, draws `out/loss.svg`. `args` go to both
+/// runs; `--workers` and `--artifacts` are this command's own (refused in `args`).
 pub fn loss_curves(workers: usize, out: &Path, args: &[String]) -> ExitCode {
+    if let Some(own) = args.iter().find(|a| {
+        ["--workers", "--artifacts"]
+            .iter()
+            .any(|f| a.split('=').next() == Some(f))
+    }) {
+        eprintln!(
+            "cargo xtask loss-curves: `{own}` is set by the command itself (use \
+             `cargo xtask loss-curves --workers N --out DIR -- ARGS`)"
+        );
+        return ExitCode::FAILURE;
+    }
     let mut build = crate::cargo();
+    // The features `cargo xtask example` builds the example with (CUDA when ARGS ask for it).
+    let features = if cfg!(feature = "cuda") || crate::wants_cuda(args) {
+        "burn-ddp/launcher,cuda"
+    } else {
+        "burn-ddp/launcher"
+    };
     build.args([
         "build",
         "--release",
@@ -27,7 +45,7 @@ pub fn loss_curves(workers: usize, out: &Path, args: &[String]) -> ExitCode {
         "--bin",
         "fashion-mnist",
         "--features",
-        "burn-ddp/launcher",
+        features,
     ]);
     let built = run(build);
     if built != ExitCode::SUCCESS {
