@@ -68,36 +68,51 @@ impl<B: Backend, M: InferenceStep> InferenceStep for NanOnRank1<B, M> {
 }
 
 fn nan_run(policy: NonFinite) -> Result<burn_ddp_tests::Trained, DdpError> {
-    nan_run_with(policy, CountingScheduler::new(0.1))
+    nan_run_with(policy, CountingScheduler::new(0.1), false)
 }
 
+/// Two thread replicas, rank 1's third batch NaN, the replicas compared after every step;
+/// `shard`: with the optimizer state sharded.
 fn nan_run_with(
     policy: NonFinite,
     scheduler: CountingScheduler,
+    shard: bool,
 ) -> Result<burn_ddp_tests::Trained, DdpError> {
     let model = materialized(NanOnRank1::new(Mlp::new(&device())));
     let mut run = Run::new(Some(2), 16, 8 * 16);
     run.config = DdpConfig::default()
         .with_non_finite(policy)
-        .with_consistency_check_every(1);
+        .with_consistency_check_every(1)
+        .with_optimizer_sharding(shard);
     run_training(model, SgdConfig::new().init(), scheduler, &run)
 }
 
 #[test]
 fn a_nan_on_one_rank_skips_the_step_on_every_rank() {
-    let scheduler = CountingScheduler::new(0.1);
-    let (params, report) = nan_run_with(NonFinite::SkipStep, scheduler.clone()).unwrap();
-    // Once per batch, as burn-train steps it (a skipped optimizer step does not undo it): 8
-    // batches on each of the 2 replicas.
-    assert_eq!(scheduler.count(), 2 * 8, "LR scheduler steps");
-    assert!(
-        params.iter().flatten().all(|v| v.is_finite()),
-        "a NaN reached the parameters"
-    );
-    let report = report.unwrap();
-    assert_eq!(report.epochs[0].steps, 7, "8 batches, one step skipped");
-    for rank in &report.ranks {
-        assert_eq!(rank.skipped_steps, 1, "rank {}", rank.rank);
+    // With the optimizer state sharded too: no rank steps or gathers its share.
+    for shard in [false, true] {
+        let scheduler = CountingScheduler::new(0.1);
+        let (params, report) = nan_run_with(NonFinite::SkipStep, scheduler.clone(), shard).unwrap();
+        // Once per batch, as burn-train steps it (a skipped optimizer step does not undo it): 8
+        // batches on each of the 2 replicas.
+        assert_eq!(
+            scheduler.count(),
+            2 * 8,
+            "LR scheduler steps (sharded: {shard})"
+        );
+        assert!(
+            params.iter().flatten().all(|v| v.is_finite()),
+            "a NaN reached the parameters (sharded: {shard})"
+        );
+        let report = report.unwrap();
+        assert_eq!(report.epochs[0].steps, 7, "8 batches, one step skipped");
+        for rank in &report.ranks {
+            assert_eq!(
+                rank.skipped_steps, 1,
+                "rank {} (sharded: {shard})",
+                rank.rank
+            );
+        }
     }
 }
 

@@ -1,9 +1,8 @@
 //! The training loop of one rank: epochs of steps, each step agreed with the other ranks,
 //! reduced, applied; the end of every epoch (every rank validates its shard, rank 0 writes its
-//! checkpoint and waits until it is on disk, the others wait for it); and the stops (an interrupt, a stop signal, with
-//! a checkpoint of the step reached).
+//! checkpoint, the others wait for it); and the stops (an interrupt, a stop signal, with a
+//! checkpoint of the step reached). The checkpoints themselves: `checkpointing.rs`.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -13,8 +12,8 @@ use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::Device;
 use burn::train::{
-    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearnerOptimizerRecord,
-    LearningComponentsTypes, TrainLoader, TrainStep, TrainingBackend, TrainingModel,
+    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearningComponentsTypes,
+    TrainLoader, TrainStep, TrainingBackend, TrainingModel,
 };
 
 use super::events::{Events, Meta};
@@ -22,11 +21,10 @@ use super::lock;
 use super::metrics_file::StepTimes;
 use super::policy::{Agreement, OnNonFinite, StepPolicy, StopVote, end_of_data};
 use super::rank::{Comm, ModelOutput, Role, ValidOutput};
-use super::resume::{Resume, wait_for_epoch_checkpoint};
+use super::resume::Resume;
 use super::sharded::{RecordReader, Sharded};
 use super::startup::Startup;
 use super::validation::{ValidShard, Validating};
-use crate::checkpoint::{DdpState, StepState};
 use crate::config::{BufferSync, DdpConfig};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{DdpError, Result};
@@ -95,12 +93,12 @@ enum Stop {
 }
 
 /// The run's counters, carried across epochs (and restored by a resume).
-struct Counters {
+pub(super) struct Counters {
     /// Optimizer steps taken (skipped steps excluded).
-    optimizer_steps: u64,
+    pub optimizer_steps: u64,
     /// Gradient synchronisations (skipped steps included): the consistency check's cadence, and
     /// the numbers of step checkpoints.
-    synchronisations: u64,
+    pub synchronisations: u64,
 }
 
 /// The run's state across epochs.
@@ -687,21 +685,6 @@ where
         Ok(!stopping)
     }
 
-    /// With sharding, before rank 0 writes a checkpoint: every rank's optimizer state joined into
-    /// rank 0's learner; returns what rank 0 puts back after writing. Every rank calls it.
-    fn whole_optimizer_state(&mut self) -> Result<Option<LearnerOptimizerRecord<LC>>> {
-        match &self.sharded {
-            Some(sharded) => sharded.whole_on_rank_0(
-                &mut self.records,
-                &mut self.learner,
-                self.group.as_ref(),
-                &self.device,
-                self.config.timeout(),
-            ),
-            None => Ok(None),
-        }
-    }
-
     /// One small all-gather per step: how many samples each rank's batch has (0: none left),
     /// whether it was interrupted and whether it received a stop signal. Every rank gets the same
     /// answer, so all stop at the same step.
@@ -733,181 +716,5 @@ where
         };
         self.learner.load_model(model.into_record());
         Ok(())
-    }
-
-    /// Rank 0's checkpoint at the end of `epoch`: burn-train's (as its checkpointing strategy
-    /// says, waiting until the files are on disk, which burn-train writes in the background) and
-    /// burn-ddp's state file, carrying the run id. Waits first until burn-train's event processor
-    /// has handled the epoch's events (the checkpointing strategy and early stopping read its
-    /// store).
-    ///
-    /// # Errors
-    /// [`DdpError::Checkpoint`] naming the file: burn-train could not write or delete a
-    /// checkpoint (it stops the interrupter then; the stop is taken back: it was no user's), or
-    /// the state file cannot be written.
-    fn write_epoch_checkpoint(&mut self, epoch: usize, counters: &Counters) -> Result<()> {
-        let Role::Leader(leader) = &mut self.role else {
-            return Ok(());
-        };
-        leader.wait_for_events();
-        if let Some(checkpointer) = &mut leader.checkpointer {
-            let stopped_before = self.interrupter.should_stop();
-            checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
-            let read_back =
-                wait_for_epoch_checkpoint(checkpointer, &self.learner, &self.device, epoch);
-            if !stopped_before && self.interrupter.should_stop() {
-                let why = self.interrupter.get_message().unwrap_or_default();
-                self.interrupter.reset();
-                return Err(DdpError::Checkpoint {
-                    path: self
-                        .config
-                        .checkpoint_dir()
-                        .map(|d| d.join(format!("model-{epoch}")).display().to_string())
-                        .unwrap_or_else(|| format!("burn-train's checkpoint of epoch {epoch}")),
-                    detail: format!(
-                        "burn-train could not write (or delete) the checkpoint of epoch {epoch}: \
-                         {why}"
-                    ),
-                });
-            }
-            if let Err(why) = read_back {
-                tracing::debug!(
-                    "burn-ddp: no complete checkpoint of epoch {epoch} (the checkpointing \
-                     strategy may have skipped it): {why}"
-                );
-            }
-        }
-        if let Some(dir) = self.config.checkpoint_dir() {
-            DdpState {
-                epoch,
-                world_size: self.group.world_size(),
-                optimizer_steps: counters.optimizer_steps,
-                next_sampler_epoch: epoch as u64,
-                synchronisations: counters.synchronisations,
-                run_id: Some(self.run_id.clone()),
-            }
-            .write(dir)?;
-        }
-        Ok(())
-    }
-
-    /// A periodic step checkpoint: rank 0 writes it while the others wait for it (under the
-    /// end-of-epoch timeout, as for the checkpoint after a stop signal), and all learn whether it
-    /// was written.
-    ///
-    /// # Errors
-    /// [`DdpError::Checkpoint`] on every rank when rank 0 could not write it; the all-gather's
-    /// errors.
-    fn step_checkpoint_meeting(
-        &mut self,
-        epoch: usize,
-        batches: usize,
-        counters: &Counters,
-    ) -> Result<()> {
-        let written = self.write_step_checkpoint(epoch, batches, counters);
-        let all = self.group.all_gather(
-            &[u64::from(written.is_ok())],
-            self.config.epoch_end_timeout(),
-        )?;
-        written?;
-        if all.first() == Some(&0) {
-            return Err(DdpError::Checkpoint {
-                path: self
-                    .config
-                    .checkpoint_dir()
-                    .map(|d| d.display().to_string())
-                    .unwrap_or_default(),
-                detail: format!(
-                    "rank 0 could not write the step checkpoint at batch {batches} of epoch \
-                     {epoch} (see rank 0's error)"
-                ),
-            });
-        }
-        Ok(())
-    }
-
-    /// Rank 0 writes a step checkpoint of `batches` trained batches of `epoch` (when a checkpoint
-    /// directory is set); the other ranks do nothing. Returns the state file's path.
-    fn write_step_checkpoint(
-        &mut self,
-        epoch: usize,
-        batches: usize,
-        counters: &Counters,
-    ) -> Result<Option<PathBuf>> {
-        if self.config.checkpoint_dir().is_none() {
-            return Ok(None);
-        }
-        let own_state = self.whole_optimizer_state()?;
-        let Role::Leader(leader) = &mut self.role else {
-            return Ok(None);
-        };
-        let Some(checkpoints) = &mut leader.step_checkpoints else {
-            return Ok(None);
-        };
-        let state = StepState {
-            number: counters.synchronisations,
-            epoch,
-            batches,
-            world_size: self.group.world_size(),
-            optimizer_steps: counters.optimizer_steps,
-            run_id: Some(self.run_id.clone()),
-        };
-        let path = checkpoints.save(&self.learner, &state, &leader.event_store, &self.device);
-        Sharded::put_back(&mut self.learner, own_state);
-        let path = path?;
-        tracing::info!(
-            "burn-ddp: rank 0 wrote step checkpoint {} (batch {batches} of epoch {epoch})",
-            state.number
-        );
-        Ok(Some(path))
-    }
-
-    /// The end of a run stopped by a signal at `batches` trained batches of `epoch`: rank 0
-    /// checkpoints that step, every rank waits until it is written (so no process exits, and no
-    /// launcher stops the others, before the checkpoint is on disk), and all return the same
-    /// [`DdpError::Preempted`].
-    fn stop_for_signal(
-        &mut self,
-        epoch: usize,
-        batches: usize,
-        counters: &Counters,
-        signalled: Vec<(usize, i32)>,
-    ) -> DdpError {
-        let written = self.write_step_checkpoint(epoch, batches, counters);
-        let ok = u64::from(written.is_ok());
-        let all = match self
-            .group
-            .all_gather(&[ok], self.config.epoch_end_timeout())
-        {
-            Ok(all) => all,
-            Err(err) => return err,
-        };
-        if let Err(err) = written {
-            return err;
-        }
-        if all.first() == Some(&0) {
-            return DdpError::Checkpoint {
-                path: self
-                    .config
-                    .checkpoint_dir()
-                    .map(|d| d.display().to_string())
-                    .unwrap_or_default(),
-                detail: "rank 0 could not write the checkpoint of the step where a stop signal \
-                         stopped training (see rank 0's error)"
-                    .into(),
-            };
-        }
-        let checkpoint = self.config.checkpoint_dir().map(|dir| {
-            StepState::path(dir, counters.synchronisations)
-                .display()
-                .to_string()
-        });
-        DdpError::Preempted {
-            rank: self.rank,
-            epoch,
-            batches,
-            signalled,
-            checkpoint,
-        }
     }
 }

@@ -13,6 +13,7 @@
 //! (join, accumulation, non-finite gradients); [`validation`]; [`resume`] the checkpoints a run
 //! starts from.
 
+mod checkpointing;
 mod epoch;
 mod events;
 mod metrics_file;

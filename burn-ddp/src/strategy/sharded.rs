@@ -191,6 +191,8 @@ impl Sharded {
         timeout: Duration,
     ) -> Result<()> {
         let shards = self.shards()?;
+        // The host buckets handed back this rank's own gradients only (`ReduceOptions::keep`);
+        // NCCL's device buckets hand back every one.
         shards.keep_own(&learner.model(), &mut grads);
         learner.optimizer_step(grads);
         let model = shards.gather(learner.model(), group, timeout)?;

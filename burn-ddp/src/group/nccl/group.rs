@@ -423,25 +423,12 @@ impl ProcessGroup for NcclGroup {
         // NCCL's in-place layout: this rank's values at its slot of the result.
         let mut out = vec![0u64; len * self.world_size];
         out[rank * len..(rank + 1) * len].copy_from_slice(values);
-        self.host_collective(
+        self.host_all_gather(
             Collective::AllGather { len },
-            bytemuck::cast_slice_mut(&mut out),
-            rank * len * 8..(rank + 1) * len * 8,
+            &mut out,
+            len,
+            api::dtype::UINT64,
             timeout,
-            |api, scratch, comm, stream| {
-                // SAFETY: `scratch` holds `world_size * len` u64 with this rank's at its slot
-                // (NCCL's in-place all-gather layout).
-                unsafe {
-                    (api.all_gather)(
-                        (scratch + (rank * len * 8) as u64) as *const std::ffi::c_void,
-                        scratch as *mut std::ffi::c_void,
-                        len,
-                        api::dtype::UINT64,
-                        comm,
-                        stream as api::RawStream,
-                    )
-                }
-            },
         )?;
         Ok(out)
     }
@@ -484,24 +471,12 @@ impl Native for NcclGroup {
         check_blocks(self, "all_gather_f32", len, recv.len())?;
         let rank = self.rank;
         recv[rank * len..(rank + 1) * len].copy_from_slice(send);
-        self.host_collective(
+        self.host_all_gather(
             Collective::AllGatherF32 { len },
-            bytemuck::cast_slice_mut(recv),
-            rank * len * 4..(rank + 1) * len * 4,
+            recv,
+            len,
+            api::dtype::FLOAT32,
             timeout,
-            |api, scratch, comm, stream| {
-                // SAFETY: `scratch` holds `world_size * len` f32 with this rank's at its slot.
-                unsafe {
-                    (api.all_gather)(
-                        (scratch + (rank * len * 4) as u64) as *const std::ffi::c_void,
-                        scratch as *mut std::ffi::c_void,
-                        len,
-                        api::dtype::FLOAT32,
-                        comm,
-                        stream as api::RawStream,
-                    )
-                }
-            },
         )
     }
 

@@ -202,6 +202,34 @@ impl TcpGroup {
         Ok(())
     }
 
+    /// The direct exchange of the `f32` all-gather and reduce-scatter: every other rank `p` is
+    /// sent `outgoing(p)` (`len` values), and rank `p`'s values arrive in block `p` of `incoming`
+    /// (blocks of `len`; this rank's block is left alone). With `len` 0 only the headers travel
+    /// (the peers still compare the calls).
+    fn exchange_blocks<'a>(
+        &self,
+        call: &Call,
+        outgoing: impl Fn(usize) -> &'a [f32],
+        incoming: &mut [f32],
+        len: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return self.gather_bytes(call, &[]).map(drop);
+        }
+        let others = self.others();
+        let mut sends: Vec<Outgoing<'_>> = others
+            .iter()
+            .map(|&p| Outgoing::new(call, p, bytemuck::cast_slice(outgoing(p))))
+            .collect();
+        let mut receives: Vec<Incoming<'_>> = incoming
+            .chunks_mut(len)
+            .enumerate()
+            .filter(|(p, _)| *p != self.rank)
+            .map(|(p, block)| Incoming::new(p, bytemuck::cast_slice_mut(block)))
+            .collect();
+        Streams::lock(&self.peers, &others).transfer(call, &mut sends, &mut receives, |_, _| {})
+    }
+
     /// Every rank but this one.
     fn others(&self) -> Vec<usize> {
         (0..self.world_size).filter(|&p| p != self.rank).collect()
@@ -463,29 +491,7 @@ impl Native for TcpGroup {
         if self.world_size == 1 {
             return Ok(());
         }
-        if len == 0 {
-            // Headers only: the peers still compare the calls.
-            return self.run(call, || self.gather_bytes(&call, &[]).map(drop));
-        }
-        self.run(call, || {
-            let others = self.others();
-            let mut sends: Vec<Outgoing<'_>> = others
-                .iter()
-                .map(|&p| Outgoing::new(&call, p, bytemuck::cast_slice(send)))
-                .collect();
-            let mut receives: Vec<Incoming<'_>> = recv
-                .chunks_mut(len)
-                .enumerate()
-                .filter(|(p, _)| *p != rank)
-                .map(|(p, block)| Incoming::new(p, bytemuck::cast_slice_mut(block)))
-                .collect();
-            Streams::lock(&self.peers, &others).transfer(
-                &call,
-                &mut sends,
-                &mut receives,
-                |_, _| {},
-            )
-        })
+        self.run(call, || self.exchange_blocks(&call, |_| send, recv, len))
     }
 
     /// Block `p` of `send` goes to rank `p` directly; this rank sums the blocks it receives in
@@ -506,36 +512,9 @@ impl Native for TcpGroup {
         if n == 1 {
             return Ok(());
         }
-        if len == 0 {
-            return self.run(call, || self.gather_bytes(&call, &[]).map(drop));
-        }
         self.run(call, || {
-            let others = self.others();
             let mut blocks = vec![0f32; n * len];
-            {
-                let mut sends: Vec<Outgoing<'_>> = others
-                    .iter()
-                    .map(|&p| {
-                        Outgoing::new(
-                            &call,
-                            p,
-                            bytemuck::cast_slice(&send[p * len..(p + 1) * len]),
-                        )
-                    })
-                    .collect();
-                let mut receives: Vec<Incoming<'_>> = blocks
-                    .chunks_mut(len)
-                    .enumerate()
-                    .filter(|(p, _)| *p != rank)
-                    .map(|(p, block)| Incoming::new(p, bytemuck::cast_slice_mut(block)))
-                    .collect();
-                Streams::lock(&self.peers, &others).transfer(
-                    &call,
-                    &mut sends,
-                    &mut receives,
-                    |_, _| {},
-                )?;
-            }
+            self.exchange_blocks(&call, |p| &send[p * len..(p + 1) * len], &mut blocks, len)?;
             for i in 1..n {
                 let p = (rank + i) % n;
                 for (own, theirs) in recv.iter_mut().zip(&blocks[p * len..(p + 1) * len]) {

@@ -324,6 +324,41 @@ impl NcclGroup {
 }
 
 impl NcclGroup {
+    /// All-gather of host values through the scratch buffer, in NCCL's in-place layout: `all`
+    /// holds `world_size` blocks of `len` elements of `dtype`, this rank's already at its slot;
+    /// afterwards every block holds its rank's. `collective` names it in errors.
+    pub(super) fn host_all_gather<E: bytemuck::Pod>(
+        &self,
+        collective: Collective,
+        all: &mut [E],
+        len: usize,
+        dtype: c_int,
+        timeout: Duration,
+    ) -> Result<()> {
+        let rank = self.rank;
+        let block = len * std::mem::size_of::<E>();
+        self.host_collective(
+            collective,
+            bytemuck::cast_slice_mut(all),
+            rank * block..(rank + 1) * block,
+            timeout,
+            |api, scratch, comm, stream| {
+                // SAFETY: `scratch` holds `world_size * len` elements with this rank's at its
+                // slot (the upload above), on this group's stream.
+                unsafe {
+                    (api.all_gather)(
+                        (scratch + (rank * block) as u64) as *const std::ffi::c_void,
+                        scratch as *mut std::ffi::c_void,
+                        len,
+                        dtype,
+                        comm,
+                        stream as api::RawStream,
+                    )
+                }
+            },
+        )
+    }
+
     /// All-reduce of a host buffer through the scratch buffer; `collective` names it in errors.
     pub(super) fn host_all_reduce(
         &self,
