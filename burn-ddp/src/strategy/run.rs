@@ -1,0 +1,394 @@
+//! How a run is set up and finished: the loaders checked and cut into shards, the resume, the
+//! validation mode, one [`Trainer`] per rank of this process (rank 0 with burn-train's
+//! components), and the reports filed at the end. What the user builds is in `mod.rs`.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+
+use burn::train::{
+    Learner, LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainingComponents, TrainingModel, ValidLoader,
+};
+
+use super::epoch::Trainer;
+use super::events::Events;
+use super::metrics_file::MetricsFile;
+use super::rank::{Leader, Part, Role};
+use super::resume::StepCheckpoints;
+use super::sharded::{RecordReader, Sharded};
+use super::validation::{ValidShard, ValidationPlan};
+use super::worker::{run_all, split_train_loader};
+use super::{DdpStrategy, lock, rank, resume, startup};
+use crate::config::{UnevenInputs, Validation};
+use crate::error::{DdpError, Result};
+use crate::group::{ProcessGroup, ThreadGroup};
+use crate::metrics::TrainingReport;
+
+/// Rank 0's model and event processor, and the error that stopped training, if any.
+type RunOutcome<LC> = (
+    TrainingModel<LC>,
+    SupervisedTrainingEventProcessor<LC>,
+    Option<DdpError>,
+);
+
+/// What the strategy checked and cut before any rank starts: the ranks this process runs (with
+/// their groups), their training shards, and the loaders as the ranks compare them.
+struct Prepared<LC: LearningComponentsTypes> {
+    local: Vec<(usize, Arc<dyn ProcessGroup>)>,
+    shards: Vec<TrainLoader<LC>>,
+    loaders: startup::Startup,
+}
+
+/// How validation is run: sharded by whole batches (the plan), between processes only when the
+/// validation output type can travel (the codec); `None`: rank 0 validates alone.
+struct ValidationMode<LC: LearningComponentsTypes> {
+    plan: Option<ValidationPlan>,
+    codec: Option<crate::outputs::Codec<rank::ValidOutput<LC>, rank::InnerBackend<LC>>>,
+}
+
+/// What every rank of this process starts from.
+struct Start<LC: LearningComponentsTypes> {
+    learner: Learner<LC>,
+    resume: resume::Resume,
+    loaders: startup::Startup,
+    run_id: String,
+    interrupter: burn::train::Interrupter,
+    grad_accumulation: usize,
+    epochs: std::ops::RangeInclusive<usize>,
+}
+
+impl<LC: LearningComponentsTypes + Send + 'static> DdpStrategy<LC>
+where
+    rank::ModelOutput<LC>: 'static,
+    rank::ValidOutput<LC>: 'static,
+{
+    /// One training run: checks and shards, the resume, the ranks built and run, their reports.
+    pub(super) fn run(
+        &self,
+        components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> Result<RunOutcome<LC>> {
+        let world_size = self.world_size();
+        // Stop signals are recorded (not fatal) while the run lasts, so every rank can stop at
+        // the same step and rank 0 can write a checkpoint of it.
+        let _signals = self.config.stop_on_signal().then(crate::signals::arm);
+        let accumulation = components.grad_accumulation.unwrap_or(1);
+        let prepared = self.prepare(&dataloader_train, &dataloader_valid, accumulation);
+        let Prepared {
+            local,
+            shards,
+            loaders,
+        } = match prepared {
+            Ok(prepared) => prepared,
+            // Nothing started: hand burn-train its components back with the error, and tell the
+            // other processes at once (they would wait for this one until their timeout).
+            Err(err) => {
+                self.abort_peers(&err);
+                return Ok((learner.model(), components.event_processor, Some(err)));
+            }
+        };
+        let first_rank = local.first().map_or(0, |(rank, _)| *rank);
+        // Outside the rank threads, a thread-mode process is the main process (rank 0 drives
+        // burn-train's events); a multi-process run is its group's rank.
+        crate::context::set_process(first_rank, world_size);
+        let run_id = self.config.run_id().unwrap_or(&self.run_id).to_string();
+        let resumed = resume::prepare(
+            &self.config,
+            &learner,
+            components.checkpointer.as_ref(),
+            starting_epoch,
+            &self.devices[0],
+            &resume::Resuming {
+                run_id: &run_id,
+                restarted: self.restarted,
+                rank: first_rank,
+                world_size,
+            },
+        );
+        let (learner, resume) = match resumed {
+            Ok((loaded, resume)) => (loaded.unwrap_or(learner), resume),
+            Err(err) => {
+                self.abort_peers(&err);
+                return Ok((learner.model(), components.event_processor, Some(err)));
+            }
+        };
+        *lock(&self.report) = TrainingReport {
+            world_size,
+            epochs: Vec::new(),
+            ranks: Vec::new(),
+        };
+        self.announce(first_rank, shards[0].num_items());
+        let validation = self.validation_mode(&dataloader_valid, first_rank);
+        let start = Start {
+            learner,
+            loaders: startup::Startup {
+                valid_batch: validation.plan.map_or(0, |p| p.batch_size as u64),
+                ..loaders
+            },
+            run_id,
+            interrupter: components.interrupter.clone(),
+            grad_accumulation: accumulation.max(1),
+            epochs: resume.starting_epoch..=components.num_epochs,
+            resume,
+        };
+        let trainers = self.trainers(
+            local,
+            shards,
+            components,
+            &dataloader_valid,
+            &validation,
+            start,
+        );
+        let (ranks, leader_parts, error) = run_all(trainers, self.config.timeout());
+        self.finish(ranks, first_rank);
+        match leader_parts {
+            Some((model, processor)) => Ok((model, processor, error)),
+            // Rank 0's thread could not be started or is stuck: burn-train's event processor is
+            // with it, so `fit` has nothing to return and must panic, even under `launch_ddp`.
+            None => Err(error.unwrap_or_else(|| DdpError::WorkerPanicked {
+                rank: 0,
+                message: "rank 0 ended without returning its model".into(),
+            })),
+        }
+    }
+
+    /// The checks before anything starts (the configuration, join with accumulation, the
+    /// loaders), the ranks this process runs and their training shards.
+    fn prepare(
+        &self,
+        dataloader_train: &TrainLoader<LC>,
+        dataloader_valid: &ValidLoader<LC>,
+        accumulation: usize,
+    ) -> Result<Prepared<LC>> {
+        let world_size = self.world_size();
+        let join = self.config.uneven_inputs() == UnevenInputs::Join;
+        self.config.validate()?;
+        if join && accumulation > 1 {
+            return Err(DdpError::InvalidConfig(
+                "UnevenInputs::Join cannot be combined with grads_accumulation".into(),
+            ));
+        }
+        // The ranks this process runs, with their groups.
+        let local: Vec<(usize, Arc<dyn ProcessGroup>)> = match &self.process_group {
+            Some(group) => vec![(group.rank(), group.clone())],
+            None if world_size == 0 => {
+                return Err(DdpError::InvalidConfig(
+                    "DdpStrategy needs at least one device, got none".into(),
+                ));
+            }
+            None => ThreadGroup::new_group(world_size)?
+                .into_iter()
+                .enumerate()
+                .map(|(rank, g)| (rank, Arc::new(g) as Arc<dyn ProcessGroup>))
+                .collect(),
+        };
+        // A DistributedDataLoader built for another world size, or one that pads the validation
+        // set, is refused before anything starts.
+        let train_loader = crate::sampler::check_loader(
+            &**dataloader_train,
+            crate::sampler::Purpose::Training { world_size, join },
+        )?;
+        crate::sampler::check_loader(&**dataloader_valid, crate::sampler::Purpose::Validation)?;
+        let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
+        let shards =
+            split_train_loader::<LC>(dataloader_train, &ranks, world_size, &self.devices, join)?;
+        let loaders = startup::Startup {
+            epochs: (0, 0),
+            resumed_batches: 0,
+            counters: (0, 0),
+            settings: 0,
+            train_items: dataloader_train.num_items() as u64,
+            train_loader,
+            valid_items: dataloader_valid.num_items() as u64,
+            valid_batch: 0,
+        };
+        Ok(Prepared {
+            local,
+            shards,
+            loaders,
+        })
+    }
+
+    /// The start-up line: replicas, mode, items per rank and the settings (on the console on
+    /// rank 0).
+    fn announce(&self, first_rank: usize, items_per_rank: usize) {
+        let mode = match &self.process_group {
+            None => "threads".to_string(),
+            Some(group) => format!("processes ({})", group.backend()),
+        };
+        let start = format!(
+            "{} replica(s) as {mode}, {items_per_rank} training items per rank, {}",
+            self.world_size(),
+            self.config
+        );
+        if first_rank == 0 {
+            crate::log::info_console(&start);
+        } else {
+            tracing::info!("burn-ddp: {start}");
+        }
+    }
+
+    /// How validation runs, and on rank 0 the warnings about output types burn-ddp cannot join
+    /// or send.
+    fn validation_mode(
+        &self,
+        dataloader_valid: &ValidLoader<LC>,
+        first_rank: usize,
+    ) -> ValidationMode<LC> {
+        let world_size = self.world_size();
+        let threads = self.process_group.is_none();
+        let codec = crate::outputs::codec::<rank::ValidOutput<LC>, rank::InnerBackend<LC>>();
+        let sharded = world_size > 1
+            && self.config.validation() == Validation::Sharded
+            && (threads || codec.is_some());
+        if world_size > 1 && first_rank == 0 {
+            let probe = Events::<LC>::new(threads, self.config.metrics_every(), world_size);
+            if !probe.joins_training() {
+                crate::log::warn_console(&format!(
+                    "the training output type ({}) is not one burn-ddp can join \
+                     (burn_ddp::outputs::DistributedOutput): {}",
+                    std::any::type_name::<rank::ModelOutput<LC>>(),
+                    if threads {
+                        "every replica's item is reported on its own (one renderer line per \
+                         replica and step)"
+                    } else {
+                        "the training metrics cover rank 0's samples only"
+                    }
+                ));
+            }
+            if self.config.validation() == Validation::Sharded && !sharded {
+                crate::log::warn_console(&format!(
+                    "the validation output type ({}) is not one burn-ddp can send between \
+                     processes: rank 0 validates the whole set alone",
+                    std::any::type_name::<rank::ValidOutput<LC>>()
+                ));
+            }
+        }
+        ValidationMode {
+            plan: sharded.then(|| ValidationPlan::of(&**dataloader_valid)),
+            codec,
+        }
+    }
+
+    /// One trainer per rank of this process: rank 0 takes burn-train's components (the leader),
+    /// the other ranks send it their items (threads) or hand this process's event processor
+    /// back unused (processes).
+    fn trainers(
+        &self,
+        local: Vec<(usize, Arc<dyn ProcessGroup>)>,
+        shards: Vec<TrainLoader<LC>>,
+        components: TrainingComponents<LC>,
+        dataloader_valid: &ValidLoader<LC>,
+        validation: &ValidationMode<LC>,
+        start: Start<LC>,
+    ) -> Vec<Trainer<LC>> {
+        let world_size = self.world_size();
+        let threads = self.process_group.is_none();
+        let (sender, receiver) = mpsc::channel::<Part<LC>>();
+        let mut receiver = Some(receiver);
+        let mut processor = Some(components.event_processor);
+        // Every rank's optimizer-record reader needs burn-train's store (unused).
+        let event_store = components.event_store.clone();
+        let epoch_checkpoints = components.checkpointer.is_some();
+        let mut leader_parts = Some((
+            components.checkpointer,
+            components.early_stopping,
+            components.event_store,
+        ));
+        local
+            .into_iter()
+            .zip(shards)
+            .zip(self.devices.iter().cloned())
+            .map(|(((rank, group), dataloader), device)| {
+                let role = match (rank, processor.take(), leader_parts.take()) {
+                    (
+                        0,
+                        Some(event_processor),
+                        Some((checkpointer, early_stopping, event_store)),
+                    ) => Role::Leader(Box::new(Leader {
+                        event_processor,
+                        dataloader_valid: dataloader_valid.to_device(&device),
+                        checkpointer,
+                        step_checkpoints: self.config.checkpoint_dir().map(StepCheckpoints::new),
+                        early_stopping,
+                        event_store,
+                        items: receiver.take().unwrap_or_else(|| mpsc::channel().1),
+                        metrics_file: self.config.metrics_file().map(MetricsFile::new),
+                    })),
+                    (_, Some(event_processor), _) => Role::Silent(Box::new(event_processor)),
+                    _ => Role::Follower(sender.clone()),
+                };
+                let valid_shard = validation.plan.map(|plan| {
+                    let batches = plan.batches_of(rank, world_size);
+                    let items = plan.items_of(batches.clone());
+                    ValidShard {
+                        loader: dataloader_valid
+                            .slice(items.start, items.end)
+                            .to_device(&device),
+                        plan,
+                        codec: validation.codec,
+                    }
+                });
+                Trainer {
+                    rank,
+                    group,
+                    device,
+                    learner: start.learner.clone(),
+                    dataloader,
+                    role,
+                    config: self.config.clone(),
+                    interrupter: start.interrupter.clone(),
+                    grad_accumulation: start.grad_accumulation,
+                    epochs: start.epochs.clone(),
+                    report: self.report.clone(),
+                    average_buffers: !threads && world_size > 1,
+                    resume: start.resume.clone(),
+                    events: Events::new(threads, self.config.metrics_every(), world_size),
+                    loaders: start.loaders,
+                    run_id: start.run_id.clone(),
+                    valid_shard,
+                    sharded: self
+                        .config
+                        .optimizer_sharding()
+                        .then(|| Sharded::new(epoch_checkpoints)),
+                    records: RecordReader::new(event_store.clone()),
+                }
+            })
+            .collect()
+    }
+
+    /// Files every rank's report, and on rank 0 prints the summary.
+    fn finish(&self, ranks: Vec<crate::metrics::RankReport>, first_rank: usize) {
+        {
+            // Rank 0 of a multi-process run may hold every process's reports already (gathered
+            // after the last epoch); otherwise this process's own.
+            let mut report = lock(&self.report);
+            if report.ranks.len() <= ranks.len() {
+                report.ranks = ranks;
+            }
+        }
+        if self.config.summary() && first_rank == 0 {
+            // The one-line switch gets the figures too, not only `launch_ddp` with a kept clone.
+            let report = lock(&self.report).clone();
+            if !report.epochs.is_empty() {
+                crate::log::to_stderr(&report.to_string());
+            }
+        }
+        if let (Some(path), 0) = (self.config.metrics_file(), first_rank) {
+            MetricsFile::new(path).ranks(&lock(&self.report));
+        }
+    }
+}
+
+impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
+    /// A multi-process run that fails before its workers start aborts its process group, so the
+    /// other processes fail at once instead of waiting for this one until their timeout.
+    fn abort_peers(&self, err: &DdpError) {
+        if let Some(group) = &self.process_group {
+            group.abort(&err.to_string());
+        }
+    }
+}
