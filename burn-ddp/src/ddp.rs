@@ -93,6 +93,13 @@ pub struct DistributedDataParallel<B: AutodiffBackend> {
     probe: Probe,
     /// Who owns which parameters, with [`DdpConfig::with_optimizer_sharding`].
     shards: Option<OptimizerShards>,
+    /// The sampler epoch and steps drawn at the last synchronisation (how many micro-batches a
+    /// synchronisation covers).
+    last_drawn: Option<(u64, u64)>,
+    /// The step (sampler epoch, steps drawn) whose micro-batch [`weigh_micro_batch`] weighed.
+    ///
+    /// [`weigh_micro_batch`]: Self::weigh_micro_batch
+    weighed: Option<(u64, u64)>,
     /// `burn_ddp::rank()` on the thread that built this wrapper.
     _rank: RankHold,
     _backend: PhantomData<B>,
@@ -143,6 +150,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
                 shards: config
                     .optimizer_sharding()
                     .then(|| OptimizerShards::new(&layout, group.rank(), group.world_size())),
+                last_drawn: None,
+                weighed: None,
                 _rank: rank,
                 config,
                 _backend: PhantomData,
@@ -189,6 +198,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         grads: GradientsParams,
     ) -> Result<GradientsParams> {
         let options = ReduceOptions {
+            weight: self.step_weight()?,
             clip_norm: self.config.clip_grad_norm(),
             check_finite: self.config.non_finite() != NonFinite::Ignore,
             ..ReduceOptions::default()
@@ -222,6 +232,66 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
     }
 
+    /// The factor of this rank's gradients in the synchronisation about to happen: its share of
+    /// the step's samples when this thread draws its batches from a
+    /// [`DistributedDataLoader`](crate::DistributedDataLoader) and the synchronisation covers
+    /// one batch (1 but in a short last step); 1 for micro-batches, which
+    /// [`weigh_micro_batch`](Self::weigh_micro_batch) weighed one by one.
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidConfig`] (after aborting the group) when the micro-batches of a
+    /// synchronisation include a short one that was not weighed.
+    fn step_weight(&mut self) -> Result<f32> {
+        let Some(drawn) = crate::sampler::drawn_on_this_thread() else {
+            return Ok(1.0);
+        };
+        let covered = match self.last_drawn {
+            Some((epoch, batches)) if epoch == drawn.epoch => drawn.batches.saturating_sub(batches),
+            _ => drawn.batches,
+        };
+        self.last_drawn = Some((drawn.epoch, drawn.batches));
+        if covered <= 1 {
+            return Ok(drawn.weight());
+        }
+        if drawn.short_step() && self.weighed != Some((drawn.epoch, drawn.batches)) {
+            let err = DdpError::InvalidConfig(format!(
+                "rank {}: gradient synchronisation #{} covers {covered} micro-batches, the last \
+                 of them the epoch's short last step ({} samples over all ranks instead of {}): \
+                 pass each micro-batch's gradients through ddp.weigh_micro_batch(&model, grads) \
+                 before accumulating them, so that each rank counts by its samples",
+                self.rank(),
+                self.syncs,
+                drawn.global_samples,
+                drawn.full_step_samples
+            ));
+            self.group().abort(&err.to_string());
+            return Err(err);
+        }
+        Ok(1.0)
+    }
+
+    /// A micro-batch's gradients weighed by this rank's share of the micro-batch's samples over
+    /// all ranks, for gradient accumulation in a loop of your own: identity but in an epoch's
+    /// short last step, where ranks hold different numbers of samples. Call it on each
+    /// micro-batch's gradients (right after the batch is drawn from a
+    /// [`DistributedDataLoader`](crate::DistributedDataLoader)) before adding them to the
+    /// accumulator; [`sync_gradients`](Self::sync_gradients) then averages the sum as it is.
+    /// Without accumulation `sync_gradients` weighs the batch itself.
+    pub fn weigh_micro_batch<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> GradientsParams {
+        if let Some(drawn) = crate::sampler::drawn_on_this_thread() {
+            let weight = drawn.weight();
+            if weight != 1.0 {
+                crate::reducer::scale_gradients(model, &mut grads, weight);
+            }
+            self.weighed = Some((drawn.epoch, drawn.batches));
+        }
+        grads
+    }
+
     /// [`sync_gradients`](Self::sync_gradients) with options (see [`Reducer::reduce_with`]):
     /// weighting, global-norm clipping, a NaN/infinity check, words of your own; `None`
     /// contributes zeros (a rank without a batch in join mode). The options are used as given
@@ -246,7 +316,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         let position = Position {
             epoch: drawn.epoch,
             batches: drawn.batches,
-            samples: drawn.samples,
+            samples: drawn.global_samples,
             ..Position::default()
         };
         let (outcome, in_step) = self.sync_at(model, grads, options.clone(), position)?;

@@ -27,7 +27,7 @@ pub(crate) struct Position {
     pub epoch: u64,
     /// Batches the rank has drawn in the epoch (or its step number).
     pub batches: u64,
-    /// Samples in the rank's batch.
+    /// Samples of the step over all ranks (one device's batch), as the rank's loader says.
     pub samples: u64,
     /// The learning rate's bits (`f64::to_bits`).
     pub lr_bits: u64,
@@ -128,8 +128,9 @@ fn describe(positions: &[Position]) -> String {
     }
     if theirs.samples != first.samples {
         return format!(
-            "rank 0's batch holds {} samples but rank {other}'s {}: the ranks' loaders were built \
-             with different batch sizes (the per-rank batch must be the same on every rank)",
+            "rank 0's step holds {} samples over all ranks but rank {other}'s {}: the ranks' \
+             loaders were built with different batch sizes (the per-rank batch must be the same \
+             on every rank)",
             first.samples, theirs.samples
         );
     }

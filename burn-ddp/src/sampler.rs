@@ -48,16 +48,69 @@ impl Drop for EpochGuard {
 }
 
 /// How far the last [`DistributedDataLoader`] iterated on a thread is: the sampler epoch, the
-/// batches drawn in it and the samples of the last one. A custom loop's
-/// [`DistributedDataParallel`](crate::DistributedDataParallel) sends it at every gradient
-/// synchronisation, so a rank that skipped a synchronisation or draws batches of another size is
-/// found at once. Loaders with uneven shards (validation, join mode) do not count: their ranks
-/// legitimately draw different numbers of batches.
+/// steps drawn in it, the samples of the last one on this rank and over all ranks, and the
+/// epoch's steps. A custom loop's [`DistributedDataParallel`](crate::DistributedDataParallel)
+/// sends it at every gradient synchronisation, so a rank that skipped a synchronisation or draws
+/// batches of another size is found at once, and weighs the rank's gradients by its share of the
+/// step's samples ([`Drawn::weight`]), as does SyncBatchNorm's backward pass. It lasts as long
+/// as the iteration (a validation loader iterated and dropped in between leaves nothing behind).
+/// Loaders that present every rank's shard (read whole by one rank) do not count.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Drawn {
     pub epoch: u64,
+    /// Steps of the epoch drawn so far (a step without a sample for this rank included).
     pub batches: u64,
+    /// This rank's samples in the last step drawn (0: none in that step).
     pub samples: u64,
+    /// Samples of the last step drawn over all ranks: one device's batch.
+    pub global_samples: u64,
+    /// Steps of the epoch, the same on every rank.
+    pub steps: u64,
+    /// Samples of the epoch's last step over all ranks.
+    pub last_step_samples: u64,
+    /// Samples of a full step over all ranks (the per-rank batch size times the world size).
+    pub full_step_samples: u64,
+    /// Ranks of the sampler.
+    pub world_size: u64,
+    /// The iteration that drew it (cleared when that iteration ends).
+    pub iteration: u64,
+}
+
+impl Drawn {
+    /// The factor of this rank's gradients in an average over the ranks (`ReduceOp::Avg`) that
+    /// gives the mean over the step's samples: `samples * world_size / global_samples`, exactly
+    /// 1 when every rank has its full share, 0 without a sample.
+    pub fn weight(&self) -> f32 {
+        let share = self.samples * self.world_size;
+        if share == self.global_samples || self.global_samples == 0 {
+            1.0
+        } else {
+            (share as f64 / self.global_samples as f64) as f32
+        }
+    }
+
+    /// Whether the last step drawn holds fewer samples than a full one (the same on every rank).
+    pub fn short_step(&self) -> bool {
+        self.global_samples < self.full_step_samples
+    }
+
+    /// Whether some step of the epoch leaves a rank without a sample (the last step has fewer
+    /// samples than ranks).
+    pub fn leaves_a_rank_without_samples(&self) -> bool {
+        self.last_step_samples < self.world_size
+    }
+
+    /// This rank takes part in a step without a sample of its own: the step is drawn.
+    pub fn enter_step_without_sample() {
+        DRAWN.with(|d| {
+            if let Some(mut drawn) = d.get() {
+                drawn.batches += 1;
+                drawn.samples = 0;
+                drawn.global_samples = drawn.last_step_samples;
+                d.set(Some(drawn));
+            }
+        });
+    }
 }
 
 thread_local! {
@@ -74,9 +127,9 @@ pub(crate) fn drawn_on_this_thread() -> Option<Drawn> {
 /// not built for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Purpose {
-    /// Training with `world_size` replicas, in join mode or not: the loader's sampler must be
-    /// built for that world size, for every rank, and with uneven shards only in join mode.
-    Training { world_size: usize, join: bool },
+    /// Training with `world_size` replicas: the loader's sampler must be built for that world
+    /// size, for every rank.
+    Training { world_size: usize },
     /// Validation, sharded or on rank 0: every item must count once (no padding, no drops).
     Validation,
 }
@@ -102,8 +155,7 @@ thread_local! {
 ///
 /// # Errors
 /// [`DdpError::InvalidConfig`] with the loader's reason: a training loader built for another
-/// world size (naming both), for one rank only, or with uneven shards outside join mode; a
-/// validation loader that pads or drops items.
+/// world size (naming both) or for one rank only; a validation loader that pads or drops items.
 pub(crate) fn check_loader<B: Backend, O>(
     loader: &dyn DataLoader<B, O>,
     purpose: Purpose,
@@ -127,15 +179,21 @@ use crate::error::{DdpError, Result};
 /// - each epoch, the dataset's indices are shuffled with a generator seeded by `seed + epoch`, so
 ///   every epoch has a new order without the user calling anything, and every rank computes the
 ///   same permutation;
-/// - the permutation is padded by wrapping around to a multiple of the world size (or cut down to
-///   one, with `drop_last`), so **every rank gets the same number of samples**, hence the same
-///   number of batches, and no rank waits for a batch that never comes;
 /// - rank `r` takes positions `r, r + N, r + 2N, ...` of the permutation: the shards are disjoint
-///   (apart from the wrapped padding) and together cover the dataset.
+///   and together cover the dataset.
 ///
 /// With the strided shards, batch `k` of every rank together is exactly batch `k` of a single
 /// device that iterates the same permutation with an `N` times larger batch: data-parallel
-/// training sees the same samples per step as single-device training.
+/// training sees the same samples per step as single-device training, **the last step
+/// included**. By default nothing is padded or dropped: when the dataset does not divide into
+/// global batches, the last step holds one device's last batch, split across the ranks as evenly
+/// as it goes (a rank may have one sample fewer, or none when the step has fewer samples than
+/// ranks), and [`DdpStrategy`](crate::DdpStrategy) and
+/// [`DistributedDataParallel`](crate::DistributedDataParallel) weigh each rank's gradients by its
+/// samples, so the step's gradient is the mean over its samples, as on one device (for a loss
+/// that is a mean over the batch, as burn-train's outputs are). Where PyTorch's sampler differs:
+/// it pads by repeating samples by default, which here is the explicit
+/// [`with_duplicate_padding`](Self::with_duplicate_padding).
 ///
 /// [`DistributedDataLoader`] is a Burn [`DataLoader`] over a sampler. It presents the rank shards
 /// one after another (rank 0's samples, then rank 1's, ...), so that
@@ -156,17 +214,17 @@ pub struct DistributedSampler {
 /// What happens to a dataset that does not divide evenly between ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Tail {
-    /// Pad by repeating the first samples (PyTorch's default).
+    /// Pad by repeating the first samples (PyTorch's default; not one device's result).
     Wrap,
     /// Drop the last samples (PyTorch's `drop_last`).
     Drop,
-    /// Keep shards of unequal sizes, differing by at most one sample (for `UnevenInputs::Join`).
-    Uneven,
+    /// Neither: shards of unequal sizes, differing by at most one sample (the default).
+    Exact,
 }
 
 impl DistributedSampler {
-    /// A sampler over `len` samples for `world_size` ranks, shuffling with seed 0 and padding by
-    /// wrapping (PyTorch's defaults).
+    /// A sampler over `len` samples for `world_size` ranks, shuffling with seed 0 (PyTorch's
+    /// default), every sample once per epoch (no padding, nothing dropped).
     ///
     /// # Errors
     /// [`DdpError::InvalidConfig`] when `world_size` is 0 or the dataset is empty.
@@ -186,7 +244,7 @@ impl DistributedSampler {
             world_size,
             shuffle: true,
             seed: 0,
-            tail: Tail::Wrap,
+            tail: Tail::Exact,
             rank: None,
         })
     }
@@ -230,8 +288,9 @@ impl DistributedSampler {
         self
     }
 
-    /// `true`: drops the tail of the permutation so it divides evenly between ranks;
-    /// `false` (default): pads it by repeating its first samples.
+    /// `true`: drops the tail of the permutation so it divides evenly between ranks (PyTorch's
+    /// `drop_last`: up to `world_size - 1` samples are not trained in an epoch); `false`: every
+    /// sample once (the default).
     ///
     /// # Errors
     /// [`DdpError::InvalidConfig`] when `drop_last` would leave the ranks without samples
@@ -243,16 +302,27 @@ impl DistributedSampler {
                 self.len, self.world_size
             )));
         }
-        self.tail = if drop_last { Tail::Drop } else { Tail::Wrap };
+        self.tail = if drop_last { Tail::Drop } else { Tail::Exact };
         Ok(self)
     }
 
+    /// Pads the permutation to a multiple of the world size by repeating its first samples, so
+    /// every rank has as many samples: PyTorch's `DistributedSampler` default. **Not one
+    /// device's result**: up to `world_size - 1` samples train twice per epoch, weighed as new
+    /// ones, and the training metrics count them. For comparing with a PyTorch run; the default
+    /// trains every sample once and gives one device's result.
+    pub fn with_duplicate_padding(mut self) -> Self {
+        self.tail = Tail::Wrap;
+        self
+    }
+
     /// Neither pads nor drops: the shards cover the dataset exactly once and their sizes differ
-    /// by at most one sample (ranks below `len % world_size` get one more), so ranks can run out
-    /// of batches at different steps. For [`UnevenInputs::Join`](crate::config::UnevenInputs::Join),
-    /// which handles exactly that.
+    /// by at most one sample (ranks below `len % world_size` get one more). The default (this
+    /// undoes [`with_drop_last`](Self::with_drop_last) and
+    /// [`with_duplicate_padding`](Self::with_duplicate_padding)); what a validation loader
+    /// needs.
     pub fn with_uneven_shards(mut self) -> Self {
-        self.tail = Tail::Uneven;
+        self.tail = Tail::Exact;
         self
     }
 
@@ -266,22 +336,29 @@ impl DistributedSampler {
         self.world_size
     }
 
-    /// Samples per rank and epoch: `ceil(len / N)`, or `floor(len / N)` with `drop_last`; with
-    /// uneven shards, the largest shard's size.
+    /// Samples of the largest shard per epoch: `ceil(len / N)`, or `floor(len / N)` with
+    /// `drop_last`.
     pub fn num_samples(&self) -> usize {
         match self.tail {
             Tail::Drop => self.len / self.world_size,
-            Tail::Wrap | Tail::Uneven => self.len.div_ceil(self.world_size),
+            Tail::Wrap | Tail::Exact => self.len.div_ceil(self.world_size),
         }
     }
 
-    /// Samples per epoch over all ranks: `num_samples * N`, or the dataset's length with uneven
-    /// shards.
+    /// Samples per epoch over all ranks: the dataset's length, `num_samples * N` with padding,
+    /// or less with `drop_last`.
     pub fn total_size(&self) -> usize {
         match self.tail {
-            Tail::Uneven => self.len,
+            Tail::Exact => self.len,
             Tail::Wrap | Tail::Drop => self.num_samples() * self.world_size,
         }
+    }
+
+    /// Steps of an epoch with `batch_size` samples per rank (the same on every rank), and the
+    /// samples of step `k` over all ranks: one device's batches of `batch_size * N`.
+    fn global_step_samples(&self, batch_size: usize, k: usize) -> usize {
+        let global = batch_size * self.world_size;
+        self.total_size().saturating_sub(k * global).min(global)
     }
 
     /// Samples of `rank`'s shard per epoch.
@@ -512,6 +589,60 @@ where
         ));
     }
 
+    /// What an iteration of `epoch` records for the thread ([`drawn_on_this_thread`]) before its
+    /// first batch; `None` for a loader of every rank's shard read whole by one rank of several
+    /// (its batches are no rank's steps).
+    fn counted(&self, epoch: u64) -> Option<Drawn> {
+        static ITERATIONS: AtomicU64 = AtomicU64::new(1);
+        let sampler = &self.sampler;
+        let whole = self.positions == (0..sampler.total_size());
+        if whole && sampler.world_size() > 1 {
+            return None;
+        }
+        let steps = sampler
+            .total_size()
+            .div_ceil(self.batch_size * sampler.world_size());
+        Some(Drawn {
+            epoch,
+            steps: steps as u64,
+            last_step_samples: sampler.global_step_samples(self.batch_size, steps.saturating_sub(1))
+                as u64,
+            full_step_samples: (self.batch_size * sampler.world_size()) as u64,
+            iteration: ITERATIONS.fetch_add(1, Ordering::Relaxed),
+            world_size: sampler.world_size() as u64,
+            ..Drawn::default()
+        })
+    }
+
+    /// The epoch's steps for this rank, as many on every rank: `Some(batch)` with this rank's
+    /// samples of the step, `None` in a step where it has none (the epoch's last step holds
+    /// fewer samples than ranks, or one rank's shard ends a batch earlier). What a training
+    /// loop of your own iterates over a loader of one rank's shard
+    /// ([`DistributedSampler::with_rank`]), so that every rank takes part in every gradient
+    /// synchronisation:
+    ///
+    /// ```ignore
+    /// for batch in loader.iter_steps() {
+    ///     let grads = match batch {
+    ///         Some(batch) => GradientsParams::from_grads(model.loss(batch).backward(), &model),
+    ///         None => GradientsParams::new(), // no sample of this rank in this step
+    ///     };
+    ///     let grads = ddp.sync_gradients(&model, grads)?; // weighted by each rank's samples
+    ///     model = ddp.optimizer_step(&mut optim, lr, model, grads)?;
+    /// }
+    /// ```
+    ///
+    /// Each call starts the next epoch, as [`iter`](DataLoader::iter) does.
+    pub fn iter_steps(&self) -> impl Iterator<Item = Option<O>> + '_ {
+        let batches = self.iter();
+        let steps = DRAWN.with(Cell::get).map_or(0, |d| d.steps as usize);
+        StepIterator {
+            batches,
+            steps,
+            taken: 0,
+        }
+    }
+
     /// Why this loader cannot serve `purpose`, if it cannot.
     fn refusal(&self, purpose: Purpose) -> Option<String> {
         let sampler = &self.sampler;
@@ -522,14 +653,6 @@ where
                  loader itself: build its sampler without with_rank",
                 sampler.rank().unwrap_or_default()
             )),
-            Purpose::Training { join: false, .. } if sampler.tail == Tail::Uneven => Some(
-                "the training DistributedDataLoader's sampler has uneven shards \
-                 (with_uneven_shards): the ranks would have different numbers of batches, which \
-                 only UnevenInputs::Join handles; set DdpConfig::with_uneven_inputs(\
-                 UnevenInputs::Join), or build the sampler without with_uneven_shards (it pads, \
-                 as PyTorch's DistributedSampler does)"
-                    .to_string(),
-            ),
             Purpose::Training { world_size, .. } if world_size != sampler.world_size() => {
                 Some(format!(
                     "the training DistributedDataLoader was built for world size {} but the job \
@@ -601,21 +724,16 @@ where
                 })
                 .collect()
         });
-        let counts = self.sampler.tail != Tail::Uneven;
-        if counts {
-            DRAWN.with(|d| {
-                d.set(Some(Drawn {
-                    epoch,
-                    ..Drawn::default()
-                }))
-            });
+        let counted = self.counted(epoch);
+        if counted.is_some() {
+            DRAWN.with(|d| d.set(counted));
         }
         Box::new(DistributedIterator {
             build,
             queues,
             batch: 0,
-            epoch,
-            counts,
+            counted,
+            sampler: self.sampler,
         })
     }
 
@@ -757,10 +875,36 @@ struct DistributedIterator<B: Backend, I, O> {
     queues: Option<Vec<Queue<O>>>,
     /// The next batch.
     batch: usize,
-    /// The sampler epoch.
-    epoch: u64,
-    /// Whether the batches drawn are recorded for the thread ([`drawn_on_this_thread`]).
-    counts: bool,
+    /// What the batches drawn record for the thread ([`drawn_on_this_thread`]); `None`: nothing.
+    counted: Option<Drawn>,
+    sampler: DistributedSampler,
+}
+
+/// [`DistributedDataLoader::iter_steps`]: the batches, then `None` until the epoch's steps are
+/// done.
+struct StepIterator<'a, O> {
+    batches: Box<dyn DataLoaderIterator<O> + 'a>,
+    /// Steps of the epoch.
+    steps: usize,
+    /// Steps yielded so far.
+    taken: usize,
+}
+
+impl<O> Iterator for StepIterator<'_, O> {
+    type Item = Option<O>;
+
+    fn next(&mut self) -> Option<Option<O>> {
+        if let Some(batch) = self.batches.next() {
+            self.taken += 1;
+            return Some(Some(batch));
+        }
+        if self.taken >= self.steps {
+            return None;
+        }
+        self.taken += 1;
+        Drawn::enter_step_without_sample();
+        Some(None)
+    }
 }
 
 impl<B: Backend, I, O> Iterator for DistributedIterator<B, I, O> {
@@ -790,14 +934,16 @@ impl<B: Backend, I, O> Iterator for DistributedIterator<B, I, O> {
                 }
             }
         };
-        if self.counts {
+        if let Some(counted) = self.counted {
             let start = k * self.build.batch_size;
             let samples = (start + self.build.batch_size).min(self.build.indices.len()) - start;
             DRAWN.with(|d| {
                 d.set(Some(Drawn {
-                    epoch: self.epoch,
                     batches: self.batch as u64,
                     samples: samples as u64,
+                    global_samples: self.sampler.global_step_samples(self.build.batch_size, k)
+                        as u64,
+                    ..counted
                 }))
             });
         }
@@ -806,6 +952,19 @@ impl<B: Backend, I, O> Iterator for DistributedIterator<B, I, O> {
         // DdpStrategy catches it and reports `DdpError::WorkerPanicked` for this rank (the same
         // as a panicking `get` with 0 workers, which Burn's own loaders also propagate).
         Some(built.unwrap_or_else(|message| panic!("{message}")))
+    }
+}
+
+impl<B: Backend, I, O> Drop for DistributedIterator<B, I, O> {
+    /// The iteration ends: what it drew no longer describes the thread's steps.
+    fn drop(&mut self) {
+        if let Some(counted) = self.counted {
+            DRAWN.with(|d| {
+                if d.get().is_some_and(|drawn| drawn.iteration == counted.iteration) {
+                    d.set(None);
+                }
+            });
+        }
     }
 }
 
@@ -838,8 +997,16 @@ mod tests {
     }
 
     #[test]
-    fn padding_wraps_and_drop_last_cuts_so_every_rank_has_as_many_samples() {
-        let pad = DistributedSampler::new(11, 2).unwrap();
+    fn the_default_covers_the_dataset_once_padding_repeats_and_drop_last_cuts() {
+        let exact = DistributedSampler::new(11, 2).unwrap();
+        assert_eq!((exact.shard_len(0), exact.shard_len(1)), (6, 5));
+        assert_eq!(exact.epoch_order(0).len(), 11);
+        let union: BTreeSet<usize> = (0..2).flat_map(|r| exact.indices(0, r)).collect();
+        assert_eq!(union, (0..11).collect());
+
+        let pad = DistributedSampler::new(11, 2)
+            .unwrap()
+            .with_duplicate_padding();
         assert_eq!(pad.num_samples(), 6);
         let order = pad.epoch_order(0);
         assert_eq!(order.len(), 12);
@@ -854,10 +1021,39 @@ mod tests {
         assert_eq!(drop.num_samples(), 5);
         assert_eq!(drop.indices(0, 0).len(), 5);
         assert_eq!(drop.indices(0, 1).len(), 5);
+        // drop_last(false) is the default again, not padding.
+        assert_eq!(drop.with_drop_last(false).unwrap(), exact);
 
         // Padding larger than the dataset (3 samples, 8 ranks) wraps several times.
-        let tiny = DistributedSampler::new(3, 8).unwrap().without_shuffle();
+        let tiny = DistributedSampler::new(3, 8)
+            .unwrap()
+            .without_shuffle()
+            .with_duplicate_padding();
         assert_eq!(tiny.epoch_order(0), vec![0, 1, 2, 0, 1, 2, 0, 1]);
+    }
+
+    #[test]
+    fn a_step_holds_one_devices_batch_and_each_rank_weighs_by_its_share() {
+        // 11 samples, 3 ranks, 2 per rank: steps of 6 and 5 samples, the last 2 + 2 + 1.
+        let s = DistributedSampler::new(11, 3).unwrap();
+        assert_eq!(s.global_step_samples(2, 0), 6);
+        assert_eq!(s.global_step_samples(2, 1), 5);
+        let drawn = |samples, global| Drawn {
+            samples,
+            global_samples: global,
+            world_size: 3,
+            ..Drawn::default()
+        };
+        assert_eq!(drawn(2, 6).weight(), 1.0, "a full step is weighed exactly 1");
+        assert_eq!(drawn(2, 5).weight(), 1.2);
+        assert_eq!(drawn(1, 5).weight(), 0.6);
+        assert_eq!(drawn(0, 5).weight(), 0.0);
+        // The weights of a step's ranks average to 1: a gradient equal on every sample stays.
+        let weights: f32 = [drawn(2, 5), drawn(2, 5), drawn(1, 5)]
+            .iter()
+            .map(Drawn::weight)
+            .sum();
+        assert!((weights / 3.0 - 1.0).abs() < 1e-6, "{weights}");
     }
 
     #[test]
@@ -869,7 +1065,7 @@ mod tests {
         assert_ne!(s.indices(1, 0), other.indices(1, 0));
         let plain = DistributedSampler::new(5, 2).unwrap().without_shuffle();
         assert_eq!(plain.indices(0, 0), vec![0, 2, 4]);
-        assert_eq!(plain.indices(0, 1), vec![1, 3, 0]);
+        assert_eq!(plain.indices(0, 1), vec![1, 3]);
     }
 
     #[test]

@@ -121,8 +121,19 @@ struct SyncSum;
 impl<B: SyncBatchNormBackend> Backward<B, 1> for SyncSum {
     type State = ();
 
+    /// The ranks' gradients summed, each weighed by its rank's share of the step's samples and
+    /// the sum divided by this rank's (1 and 1 but in a short last step): after the reduction
+    /// weighs this rank's gradients by its share, every rank's path through the statistics
+    /// carries the weight of the rank whose loss it comes from, as on one device.
     fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        unary::<B, _>(ops.parents, ops.node, grads, |grad| B::sync_sum(grad));
+        let weight = crate::sampler::drawn_on_this_thread().map_or(1.0, |d| d.weight());
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            if weight == 1.0 || weight == 0.0 {
+                return B::sync_sum(grad);
+            }
+            let weighed = B::float_mul_scalar(grad, weight.into());
+            B::float_div_scalar(B::sync_sum(weighed), weight.into())
+        });
     }
 }
 

@@ -256,7 +256,7 @@ fn a_rank_built_with_another_batch_size_is_out_of_step_at_the_first_synchronisat
             Err(burn_ddp::DdpError::OutOfStep { sync, detail, .. }) => {
                 assert_eq!(sync, 0, "rank {rank}: {detail}");
                 assert!(
-                    detail.contains("32 samples but rank 1's 48"),
+                    detail.contains("64 samples over all ranks but rank 1's 96"),
                     "rank {rank}: {detail}"
                 );
             }

@@ -99,16 +99,3 @@ fn a_process_with_another_optimizer_is_out_of_step_after_its_first_step() {
     out_of_step(errors, 1, "different optimizers or hyper-parameters");
 }
 
-#[test]
-fn uneven_shards_without_join_mode_are_refused() {
-    let model = materialized(Mlp::new(&device()));
-    let mut run = Run::new(Some(2), 16, 8 * 16 + 1);
-    run.uneven_shards = true;
-    match run_training(model, SgdConfig::new().init(), 0.1, &run) {
-        Err(DdpError::InvalidConfig(message)) => {
-            assert!(message.contains("with_uneven_shards"), "{message}");
-            assert!(message.contains("UnevenInputs::Join"), "{message}");
-        }
-        other => panic!("expected InvalidConfig, got {:?}", other.map(|_| ())),
-    }
-}

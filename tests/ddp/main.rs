@@ -18,3 +18,4 @@ mod replicas;
 mod sampling;
 mod security;
 mod semantics;
+mod short_batches;

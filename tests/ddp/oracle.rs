@@ -91,7 +91,7 @@ struct Case {
     clip: bool,
     /// Optimizer-state sharding (ZeRO-1) on the burn-ddp side.
     shard: bool,
-    /// Training samples (divisible by the world size unless `join`).
+    /// Training samples (any number: the last step may be short, or leave ranks without one).
     samples: usize,
     /// Samples per step over all ranks.
     global_batch: usize,
@@ -889,11 +889,17 @@ fn random(rng: &mut Rng) -> Case {
         Model::PartlyUnused,
         Model::SyncBn,
     ][rng.below(6)];
-    // Join mode refuses SyncBatchNorm; only join mode takes a dataset that does not divide
-    // (elsewhere the sampler pads, as PyTorch's does, which one device does not).
+    // Join mode refuses SyncBatchNorm.
     let join = rng.below(4) == 0 && model != Model::SyncBn;
     let steps = 2 + rng.below(4);
-    let samples = world * per_rank * steps + if join { rng.below(world) } else { 0 };
+    // A last step of any size (none, short, fewer samples than ranks), but SyncBatchNorm needs
+    // a sample on every rank in every step.
+    let rest = match (rng.below(3), model) {
+        (0, _) => 0,
+        (_, Model::SyncBn) => world + rng.below(world * per_rank - world),
+        _ => 1 + rng.below(world * per_rank - 1),
+    };
+    let samples = world * per_rank * steps + rest;
     Case {
         world,
         transport: if rng.below(3) == 0 {

@@ -22,17 +22,29 @@ impl Batcher<NdArray, usize, Vec<usize>> for Ids {
     }
 }
 
+/// What a sampler does with a dataset the world size does not divide.
+#[derive(Clone, Copy)]
+enum Tail {
+    /// Every sample once (the default).
+    Exact,
+    /// PyTorch's padding.
+    Padded,
+    /// `drop_last`.
+    Dropped,
+}
+
 fn loader(
     len: usize,
     world_size: usize,
     batch: usize,
-    drop_last: bool,
+    tail: Tail,
 ) -> Arc<dyn DataLoader<NdArray, Vec<usize>>> {
-    let sampler = DistributedSampler::new(len, world_size)
-        .unwrap()
-        .with_seed(11)
-        .with_drop_last(drop_last)
-        .unwrap();
+    let sampler = DistributedSampler::new(len, world_size).unwrap().with_seed(11);
+    let sampler = match tail {
+        Tail::Exact => sampler,
+        Tail::Padded => sampler.with_duplicate_padding(),
+        Tail::Dropped => sampler.with_drop_last(true).unwrap(),
+    };
     Arc::new(
         DistributedDataLoader::new(
             Arc::new(InMemDataset::new((0..len).collect::<Vec<usize>>())),
@@ -45,20 +57,24 @@ fn loader(
     )
 }
 
-/// Splits like DdpStrategy does: equal contiguous slices.
+/// Splits like DdpStrategy does a DistributedDataLoader: contiguous slices differing by at most
+/// one item, the larger first (the sampler's shards).
 fn shards(
     loader: &Arc<dyn DataLoader<NdArray, Vec<usize>>>,
     n: usize,
 ) -> Vec<Arc<dyn DataLoader<NdArray, Vec<usize>>>> {
-    let per_rank = loader.num_items() / n;
+    let (base, extra) = (loader.num_items() / n, loader.num_items() % n);
     (0..n)
-        .map(|r| loader.slice(r * per_rank, (r + 1) * per_rank))
+        .map(|r| {
+            let start = r * base + r.min(extra);
+            loader.slice(start, start + base + usize::from(r < extra))
+        })
         .collect()
 }
 
 #[test]
 fn rank_shards_are_disjoint_and_cover_the_dataset() {
-    let shards = shards(&loader(100, 4, 8, false), 4);
+    let shards = shards(&loader(100, 4, 8, Tail::Exact), 4);
     let mut seen = BTreeSet::new();
     for shard in &shards {
         for batch in shard.iter() {
@@ -72,7 +88,7 @@ fn rank_shards_are_disjoint_and_cover_the_dataset() {
 
 #[test]
 fn every_epoch_has_a_new_order() {
-    let shards = shards(&loader(64, 2, 8, false), 2);
+    let shards = shards(&loader(64, 2, 8, Tail::Exact), 2);
     let epoch1: Vec<usize> = shards[0].iter().flatten().collect();
     let epoch2: Vec<usize> = shards[0].iter().flatten().collect();
     assert_eq!(epoch1.len(), 32);
@@ -82,24 +98,25 @@ fn every_epoch_has_a_new_order() {
 }
 
 #[test]
-fn eleven_items_two_ranks_batch_five_give_both_ranks_the_same_number_of_batches() {
-    // Padding by wrapping: 12 samples, 6 per rank: batches of 5 and 1.
-    let padded = shards(&loader(11, 2, 5, false), 2);
-    let counts: Vec<Vec<usize>> = padded
-        .iter()
-        .map(|s| s.iter().map(|b| b.len()).collect())
-        .collect();
-    assert_eq!(counts, vec![vec![5, 1], vec![5, 1]]);
-    // drop_last: 10 samples, 5 per rank: one batch each.
-    let dropped = shards(&loader(11, 2, 5, true), 2);
-    let counts: Vec<usize> = dropped.iter().map(|s| s.iter().count()).collect();
-    assert_eq!(counts, vec![1, 1]);
+fn eleven_items_two_ranks_batch_five_train_every_item_once_unless_padded_or_dropped() {
+    let batches = |tail| -> Vec<Vec<usize>> {
+        shards(&loader(11, 2, 5, tail), 2)
+            .iter()
+            .map(|s| s.iter().map(|b| b.len()).collect())
+            .collect()
+    };
+    // The default: 6 and 5 items, one device's batches of 10 and 1.
+    assert_eq!(batches(Tail::Exact), vec![vec![5, 1], vec![5]]);
+    // PyTorch's padding: 12 items, 6 per rank (one item twice).
+    assert_eq!(batches(Tail::Padded), vec![vec![5, 1], vec![5, 1]]);
+    // drop_last: 10 items, 5 per rank.
+    assert_eq!(batches(Tail::Dropped), vec![vec![5], vec![5]]);
 }
 
 #[test]
-fn the_strategy_gives_every_rank_the_same_number_of_batches() {
-    // Through DdpStrategy with the padded DistributedDataLoader: 11 samples, 2 ranks, batch 5
-    // per rank: 2 steps on each rank.
+fn the_strategy_takes_every_rank_through_every_step_with_or_without_a_sample() {
+    // Through DdpStrategy: 11 samples, 2 ranks, batch 5 per rank: 2 steps, the second with one
+    // sample, on rank 0.
     let model = materialized(Mlp::new(&device()));
     let (_, report) = run_training(
         model,
@@ -110,8 +127,10 @@ fn the_strategy_gives_every_rank_the_same_number_of_batches() {
     .unwrap();
     let report = report.unwrap();
     assert_eq!(report.epochs[0].steps, 2);
+    assert_eq!(report.epochs[0].samples, 11);
     assert_eq!(report.ranks[0].batches, 2);
-    assert_eq!(report.ranks[1].batches, 2);
+    assert_eq!(report.ranks[1].batches, 1);
+    assert_eq!(report.ranks[1].comm.steps, 2, "rank 1 takes part in both steps");
 }
 
 #[test]
@@ -418,7 +437,9 @@ fn a_loader_built_for_another_world_size_or_padding_validation_is_refused() {
         DistributedDataLoader::new(
             Arc::new(InMemDataset::new(odd.clone())),
             ItemBatcher,
-            DistributedSampler::new(21, 2).unwrap(),
+            DistributedSampler::new(21, 2)
+                .unwrap()
+                .with_duplicate_padding(),
             8,
             Default::default(),
         )

@@ -437,15 +437,22 @@ fn join_mode_with_11_samples_2_ranks_batch_5_equals_single_device_training() {
         "training must move"
     );
 
-    // The other mode, padding (the default): 12 samples, 6 per rank, 2 batches on both ranks.
-    // (Uneven shards without join are an error: `failures::uneven_batches_are_...`.)
-    let (_, report) = run_training(
-        model,
+    // Without join mode a DistributedDataLoader says the same (the default: the same shards,
+    // rank 1 without a sample in the second step); PyTorch's padding gives both ranks 2 batches
+    // (12 samples, one of them twice).
+    let (exact, report) = run_training(
+        model.clone(),
         SgdConfig::new().init(),
         0.2,
         &Run::new(Some(2), 10, 11),
     )
     .unwrap();
+    assert!(max_relative_difference(&exact, &single) <= 1e-5);
+    let report = report.unwrap();
+    assert_eq!((report.ranks[0].batches, report.ranks[1].batches), (2, 1));
+    let mut padded = Run::new(Some(2), 10, 11);
+    padded.padded = true;
+    let (_, report) = run_training(model, SgdConfig::new().init(), 0.2, &padded).unwrap();
     let report = report.unwrap();
     assert_eq!((report.ranks[0].batches, report.ranks[1].batches), (2, 2));
 }

@@ -84,8 +84,10 @@ pub struct Run {
     /// Build the strategy with `DdpStrategy::from_env_with` (threads or this process's rank, as
     /// the environment says), with this rendezvous timeout; `replicas` is the thread count.
     pub from_env: Option<std::time::Duration>,
-    /// Build the training sampler with uneven shards (join mode does it anyway).
+    /// Build the training sampler with uneven shards (the default; join mode does it anyway).
     pub uneven_shards: bool,
+    /// Build the training sampler with PyTorch's padding (samples repeated).
+    pub padded: bool,
     /// Shuffle the training sampler each epoch (default; seeded by `seed`).
     pub shuffle: bool,
     /// The validation loader's kind (default: a `DistributedDataLoader`).
@@ -119,6 +121,7 @@ impl Run {
             loader_workers: 0,
             from_env: None,
             uneven_shards: false,
+            padded: false,
             shuffle: true,
             valid: ValidKind::Distributed,
             early_stopping: false,
@@ -202,6 +205,9 @@ where
     }
     if run.config.uneven_inputs() == UnevenInputs::Join || run.uneven_shards {
         sampler = sampler.with_uneven_shards();
+    }
+    if run.padded {
+        sampler = sampler.with_duplicate_padding();
     }
     let one_device = run.group.is_none() && run.replicas.is_none() && run.from_env.is_none();
     let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> =

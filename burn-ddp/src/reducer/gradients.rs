@@ -1,9 +1,10 @@
 //! Gradients in and out of buckets: taking a parameter's gradient out of burn's
 //! `GradientsParams` as a flat tensor, and registering a flat tensor back with its shape.
 
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::layout::BucketLayout;
 use super::link::Link;
@@ -126,4 +127,39 @@ pub(super) fn none<B: Backend>(layout: &BucketLayout) -> Gradients<B> {
         .iter()
         .map(|b| b.params.iter().map(|_| None).collect())
         .collect()
+}
+
+/// Multiplies every gradient of `module`'s parameters in `grads` by `factor` (each `ParamId`
+/// once): a micro-batch's share of a step under gradient accumulation, weighed before it is
+/// added to the others.
+pub(crate) fn scale<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    factor: f32,
+) {
+    struct Scale<'a, B: Backend> {
+        grads: &'a mut GradientsParams,
+        factor: f32,
+        seen: std::collections::HashSet<burn::module::ParamId>,
+        backend: std::marker::PhantomData<B>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Scale<'_, AB::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            // A shared weight's second place: its gradient is scaled already.
+            if !self.seen.insert(param.id) {
+                return;
+            }
+            if let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) {
+                self.grads
+                    .register::<AB::InnerBackend, D>(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    let mut scale = Scale::<B::InnerBackend> {
+        grads,
+        factor,
+        seen: Default::default(),
+        backend: std::marker::PhantomData,
+    };
+    module.visit(&mut scale);
 }

@@ -151,14 +151,25 @@ type Input<LC> = Option<TrainingModelInput<LC>>;
 
 /// One batch of a rank: what the loader gave and what training it produced.
 struct Batch<LC: LearningComponentsTypes> {
-    /// This rank's samples in it (0: none left).
+    /// This rank's samples in it (0: none left, or none in this step).
     samples: usize,
+    /// What a `DistributedDataLoader` says of the step (outside join mode): its samples over
+    /// all ranks, this rank's share of them.
+    drawn: Option<crate::sampler::Drawn>,
     /// The rank has no batch left (outside join mode).
     out_of_data: bool,
     /// What the ranks agreed on before the step (join mode).
     agreement: Option<Agreement>,
     /// The step's output, for rank 0's events (`None`: no batch).
     item: Option<ModelOutput<LC>>,
+}
+
+impl<LC: LearningComponentsTypes> Batch<LC> {
+    /// The factor of this rank's gradients in the step's average: its share of the step's
+    /// samples (1 but in a short last step of a `DistributedDataLoader`).
+    fn weight(&self) -> f32 {
+        self.drawn.map_or(1.0, |d| d.weight())
+    }
 }
 
 impl<LC: LearningComponentsTypes + Send + 'static> Trainer<LC>
@@ -287,8 +298,13 @@ where
             Some(None)
         } else if run.policy.accumulates() {
             let complete = run.policy.micro_batch_done();
-            if let Some(grads) = grads {
-                state.accumulator.accumulate(&self.learner.model(), grads);
+            if let Some(mut grads) = grads {
+                // Each micro-batch weighed by this rank's share of its samples before the sum.
+                let model = self.learner.model();
+                if batch.weight() != 1.0 {
+                    crate::reducer::scale_gradients(&model, &mut grads, batch.weight());
+                }
+                state.accumulator.accumulate(&model, grads);
             }
             complete.then(|| Some(state.accumulator.grads()))
         } else {
@@ -347,6 +363,18 @@ where
             None => 0,
         };
         state.local_samples += samples as u64;
+        // A DistributedDataLoader says what the step holds over all ranks: this rank's share of
+        // it weighs its gradients, and a rank whose shard ended a batch early (the epoch's last
+        // step has fewer samples than ranks) takes part in that step without a sample.
+        let drawn = (self.loaders.train_loader != 0 && !run.policy.join())
+            .then(crate::sampler::drawn_on_this_thread)
+            .flatten();
+        let without_sample =
+            input.is_none() && drawn.is_some_and(|d| (state.step as u64) < d.steps);
+        if without_sample {
+            crate::sampler::Drawn::enter_step_without_sample();
+        }
+        let drawn = drawn.and(crate::sampler::drawn_on_this_thread());
         // Join mode: every step starts with an agreement on who still has a batch (the weights
         // of the reduction depend on it). Otherwise every rank has a batch until all run out
         // together, and the stop votes ride in the gradient all-reduce: one collective per step.
@@ -377,7 +405,8 @@ where
         };
         let batch = Batch {
             samples,
-            out_of_data: !run.policy.join() && input.is_none(),
+            drawn,
+            out_of_data: !run.policy.join() && input.is_none() && !without_sample,
             agreement,
             item: None,
         };
@@ -413,6 +442,13 @@ where
                     .into(),
             ));
         }
+        // Found after the first forward pass on every rank alike, not at the epoch's end.
+        if let Some(drawn) = batch.drawn
+            && drawn.leaves_a_rank_without_samples()
+            && crate::sync_bn::used_on_this_thread()
+        {
+            return Err(without_sample_under_sync_bn(drawn.last_step_samples));
+        }
         Ok(match output {
             Some(output) => {
                 batch.item = Some(output.item);
@@ -440,6 +476,10 @@ where
             samples,
             batch.agreement.as_ref().map_or(0, Agreement::total),
         );
+        if !run.policy.join() && !run.policy.accumulates() {
+            // Accumulated micro-batches were weighed one by one.
+            options.weight = batch.weight();
+        }
         if batch.agreement.is_none() {
             // Read after this step's forward and backward passes: an interrupt raised during
             // them stops training after this step.
@@ -454,14 +494,10 @@ where
         let position = Position {
             epoch: state.epoch as u64,
             batches: state.step as u64 + 1,
-            // Compared with a DistributedDataLoader outside join mode only: join mode weights
-            // ranks by their samples, which may differ, and a Burn loader with workers hands out
-            // its short batches in any order.
-            samples: if run.policy.join() || self.loaders.train_loader == 0 {
-                0
-            } else {
-                samples
-            },
+            // The step's samples over all ranks, as a DistributedDataLoader outside join mode
+            // says (each rank's own may differ by one in the last step; a Burn loader with
+            // workers hands out its short batches in any order).
+            samples: batch.drawn.map_or(0, |d| d.global_samples),
             lr_bits: self.learner.lr_current().to_bits(),
             probe: 0,
         };
@@ -717,4 +753,15 @@ where
         self.learner.load_model(model.into_record());
         Ok(())
     }
+}
+
+/// The epoch's last step has `last_step_samples` samples, fewer than the ranks: a rank without a
+/// sample cannot run SyncBatchNorm's forward pass, whose collectives every rank joins.
+fn without_sample_under_sync_bn(last_step_samples: u64) -> DdpError {
+    DdpError::InvalidConfig(format!(
+        "the epoch's last step has {last_step_samples} sample(s), fewer than the ranks, and \
+         SyncBatchNorm needs a sample on every rank for its forward pass: build the training \
+         sampler with DistributedSampler::with_drop_last(true), or choose a batch size or \
+         dataset size that leaves every rank a sample in the last step"
+    ))
 }

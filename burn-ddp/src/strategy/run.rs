@@ -189,12 +189,14 @@ where
         // set, is refused before anything starts.
         let train_loader = crate::sampler::check_loader(
             &**dataloader_train,
-            crate::sampler::Purpose::Training { world_size, join },
+            crate::sampler::Purpose::Training { world_size },
         )?;
         crate::sampler::check_loader(&**dataloader_valid, crate::sampler::Purpose::Validation)?;
         let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
+        // A DistributedDataLoader's shards are its sampler's (they differ by at most one sample).
+        let whole = join || train_loader != 0;
         let shards =
-            split_train_loader::<LC>(dataloader_train, &ranks, world_size, &self.devices, join)?;
+            split_train_loader::<LC>(dataloader_train, &ranks, world_size, &self.devices, whole)?;
         let loaders = startup::Startup {
             epochs: (0, 0),
             resumed_batches: 0,

@@ -311,30 +311,32 @@ where
     )
 }
 
-/// The training shards of `ranks` (global ranks run by this process, on `devices`): the loader is
-/// cut into `world_size` equal contiguous slices (a remainder of fewer than `world_size` items is
-/// dropped so every rank has as many batches) and rank `r` takes slice `r`. With `join`, nothing
-/// is dropped: the slices are `chunk_range(items, world_size, r)`, differing by at most one item.
+/// The training shards of `ranks` (global ranks run by this process, on `devices`). With `whole`
+/// (a `DistributedDataLoader`, whose shards are its sampler's, or join mode) nothing is dropped:
+/// the slices are `chunk_range(items, world_size, r)`, differing by at most one item. Otherwise
+/// (a plain Burn loader) the loader is cut into `world_size` equal contiguous slices (a remainder
+/// of fewer than `world_size` items is dropped so every rank has as many batches) and rank `r`
+/// takes slice `r`.
 pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
     loader: &TrainLoader<LC>,
     ranks: &[usize],
     world_size: usize,
     devices: &[Device<TrainingBackend<LC>>],
-    join: bool,
+    whole: bool,
 ) -> Result<Vec<TrainLoader<LC>>> {
     let items = loader.num_items();
     let per_rank = items / world_size;
-    // In join mode a rank may have no sample at all: it joins every step with zero gradients.
-    if per_rank == 0 && !join {
+    // With whole shards a rank may have no sample at all: it takes part in every step without.
+    if per_rank == 0 && !whole {
         return Err(DdpError::InvalidConfig(format!(
             "the training set has {items} items, fewer than the {world_size} replicas"
         )));
     }
-    if !join && !items.is_multiple_of(world_size) && ranks.contains(&0) {
+    if !whole && !items.is_multiple_of(world_size) && ranks.contains(&0) {
         // It changes what is trained: on the console, not only in burn-train's log file.
         crate::log::warn_console(&format!(
             "{items} training items do not divide between {world_size} replicas; the last {} \
-             are not used (use DistributedDataLoader to pad instead)",
+             are not used (a DistributedDataLoader trains every item, as one device does)",
             items % world_size
         ));
     }
@@ -344,7 +346,7 @@ pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
         .map(|(&rank, device)| {
             if world_size == 1 {
                 loader.to_device(device)
-            } else if join {
+            } else if whole {
                 let range = crate::partition::chunk_range(items, world_size, rank);
                 loader.slice(range.start, range.end).to_device(device)
             } else {

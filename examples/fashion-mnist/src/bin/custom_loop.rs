@@ -190,8 +190,8 @@ fn train_epochs(
             .map_err(|e| e.to_string())?;
     let mut optimizer = AdamConfig::new().init();
 
-    // This rank's shard: a new global shuffle every epoch (the loader counts its epochs), padded
-    // so every rank has as many batches (PyTorch's DistributedSampler).
+    // This rank's shard: a new global shuffle every epoch (the loader counts its epochs), every
+    // image once; each step holds one device's batch, the last one possibly short.
     let sampler = DistributedSampler::new(train.len(), world_size)
         .and_then(|s| s.with_seed(args.seed).with_rank(rank))
         .map_err(|e| e.to_string())?;
@@ -235,13 +235,21 @@ fn train_epochs(
     for epoch in 1..=args.epochs {
         let started = Instant::now();
         let (mut loss_sum, mut steps) = (0.0f32, 0.0f32);
-        for batch in train_loader.iter() {
-            let logits = model.forward(batch.images);
-            let batch_loss = loss.forward(logits, batch.targets);
-            loss_sum += batch_loss.clone().into_scalar().elem::<f32>();
-            steps += 1.0;
-            let grads = GradientsParams::from_grads(batch_loss.backward(), &model);
-            // Averaged across the replicas: every rank applies the same update.
+        // Every rank takes part in every step: `None` when the epoch's short last step leaves
+        // this rank without an image.
+        for batch in train_loader.iter_steps() {
+            let grads = match batch {
+                Some(batch) => {
+                    let logits = model.forward(batch.images);
+                    let batch_loss = loss.forward(logits, batch.targets);
+                    loss_sum += batch_loss.clone().into_scalar().elem::<f32>();
+                    steps += 1.0;
+                    GradientsParams::from_grads(batch_loss.backward(), &model)
+                }
+                None => GradientsParams::new(),
+            };
+            // Averaged across the replicas, each weighed by its images in the step: every rank
+            // applies the same update.
             let grads = ddp
                 .sync_gradients(&model, grads)
                 .map_err(|e| e.to_string())?;
