@@ -350,25 +350,32 @@ where
         .build(InMemDataset::new(synthetic_images(8)));
     let clock = Clock::default();
     let directory = std::env::temp_dir().join(format!("ddp-bench-{}", std::process::id()));
-    let training = SupervisedTraining::new(directory, train, valid)
-        .num_epochs(1)
-        .renderer(clock.clone())
-        .with_metric_logger(InMemoryMetricLogger::new())
-        .with_application_logger(None);
-    let learner = Learner::new(model, AdamConfig::new().init(), 1e-3);
+    // One per strategy: its learning components include the optimizer's type.
+    macro_rules! training {
+        () => {
+            SupervisedTraining::new(directory.clone(), train.clone(), valid.clone())
+                .num_epochs(1)
+                .renderer(clock.clone())
+                .with_metric_logger(InMemoryMetricLogger::new())
+                .with_application_logger(None)
+        };
+    }
+    let learner = || Learner::new(model.clone(), AdamConfig::new().init(), 1e-3);
     let mut report: Option<TrainingReport> = None;
     match strategy {
         Strategy::Single => {
-            training
+            let learner = learner();
+            training!()
                 .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
                 .launch(learner);
         }
         Strategy::BurnMultiDevice(n) | Strategy::BurnMultiDeviceSharded(n) => {
+            let learner = learner();
             let optim = match strategy {
                 Strategy::BurnMultiDeviceSharded(_) => MultiDeviceOptim::OptimSharded,
                 _ => MultiDeviceOptim::OptimMainDevice,
             };
-            training
+            training!()
                 .with_training_strategy(
                     ExecutionStrategy::MultiDevice(vec![device; n], optim).into(),
                 )
@@ -392,7 +399,13 @@ where
                 ),
             };
             let handle = ddp.clone();
-            if let Err(e) = training.launch_ddp(learner, ddp) {
+            // The sharded optimizer: Burn's Adam wrapped (the plain Adam without sharding).
+            let learner = Learner::new(
+                model.clone(),
+                burn_ddp::ShardedOptimizer::new(AdamConfig::new().init()),
+                1e-3,
+            );
+            if let Err(e) = training!().launch_ddp(learner, ddp) {
                 return failed(kind, strategy, e.to_string());
             }
             report = Some(handle.report());

@@ -319,7 +319,13 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             samples: drawn.global_samples,
             ..Position::default()
         };
-        let (outcome, in_step) = self.sync_at(model, grads, options.clone(), position)?;
+        let mut options = options.clone();
+        if let (Some(shards), None) = (&self.shards, &options.keep) {
+            // Only this rank's parameters are stepped (`optimizer_step`): the others' are not
+            // copied back.
+            options.keep = Some(shards.own());
+        }
+        let (outcome, in_step) = self.sync_at(model, grads, options, position)?;
         in_step?;
         Ok(outcome)
     }
@@ -351,10 +357,6 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             return Err(err);
         }
         options.words.extend(position.words());
-        if let (Some(shards), None) = (&self.shards, &options.keep) {
-            // Only this rank's parameters are stepped: the others' are not copied back.
-            options.keep = Some(shards.own());
-        }
         let mut outcome = self.reducer.reduce_with::<B::InnerBackend>(
             &Replica::<B, M>::new(model),
             grads,
@@ -470,9 +472,17 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         let Some(shards) = &self.shards else {
             return Ok(optim.step(lr, module, grads));
         };
+        // What the owners step: the trainable tensors before the step.
+        let stepped = crate::sharding::trainable_places(&module);
         shards.keep_own(&module, &mut grads);
         let module = optim.step(lr, module, grads);
-        shards.gather(module, self.reducer.group().as_ref(), self.config.timeout())
+        let (module, gathered) = shards.gather_stepped(
+            module,
+            &stepped,
+            self.reducer.group().as_ref(),
+            self.config.timeout(),
+        );
+        gathered.map(|()| module)
     }
 
     /// Who owns which parameters, with [`DdpConfig::with_optimizer_sharding`].

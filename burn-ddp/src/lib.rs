@@ -60,6 +60,7 @@ pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
 pub use group::ProcessGroup;
 pub use sampler::{DistributedDataLoader, DistributedSampler};
+pub use sharding::ShardedOptimizer;
 pub use strategy::{DdpStrategy, DdpTraining};
 pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};
 

@@ -261,6 +261,9 @@ mod tests {
             "{skipped}"
         );
         let batch = describe(&[at, at, Position { samples: 48, ..at }]);
-        assert!(batch.contains("32 samples but rank 2's 48"), "{batch}");
+        assert!(
+            batch.contains("32 samples over all ranks but rank 2's 48"),
+            "{batch}"
+        );
     }
 }

@@ -18,4 +18,5 @@ mod replicas;
 mod sampling;
 mod security;
 mod semantics;
+mod sharding;
 mod short_batches;

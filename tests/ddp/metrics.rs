@@ -307,7 +307,8 @@ fn sharding_splits_the_optimizer_state_between_the_ranks_in_threads_and_processe
         "without sharding the state is not read"
     );
     run.config = DdpConfig::default().with_optimizer_sharding(true);
-    let (_, threads) = run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run).unwrap();
+    let sharded = || burn_ddp::ShardedOptimizer::new(AdamConfig::new().init());
+    let (_, threads) = run_training(model.clone(), sharded(), 1e-2, &run).unwrap();
     let threads = threads.unwrap();
     let reports = over_tcp(2, |_, group| {
         let run = Run {
@@ -315,7 +316,7 @@ fn sharding_splits_the_optimizer_state_between_the_ranks_in_threads_and_processe
             replicas: None,
             ..run.clone()
         };
-        run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run)
+        run_training(model.clone(), sharded(), 1e-2, &run)
             .unwrap()
             .1
     });

@@ -33,7 +33,7 @@ use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, Optimizer, SgdConfig
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
-use burn_ddp::DdpConfig;
+use burn_ddp::{DdpConfig, ShardedOptimizer};
 use burn_ddp::config::UnevenInputs;
 use burn_ddp_tests::{
     Batch, CLASSES, FEATURES, Mlp, Recording, Run, SplitSeen, SyncBnCnn, TestBackend, ValidKind,
@@ -343,10 +343,20 @@ fn train(case: &Case, run: &Run) -> Observed {
     let scheduler = Sched::build(case);
     let recording = run.recording.clone().unwrap_or_default();
     let lr = scheduler;
+    fn optim<M: burn::module::AutodiffModule<TestBackend>>(
+        case: &Case,
+        ddp: bool,
+        clip: Option<f32>,
+    ) -> Optim<M> {
+        match ddp && case.shard {
+            true => Optim::sharded(case.opt),
+            false => Optim::new(case.opt, clip),
+        }
+    }
     let (tensors, _) = match case.model {
         Model::Plain => run_training(
             deterministic(Mlp::new(&device()), 41),
-            Optim::new(case.opt, clip),
+            optim(case, ddp, clip),
             lr,
             run,
         ),
@@ -358,7 +368,7 @@ fn train(case: &Case, run: &Run) -> Observed {
                 },
                 41,
             ),
-            Optim::new(case.opt, clip),
+            optim(case, ddp, clip),
             lr,
             run,
         ),
@@ -371,13 +381,13 @@ fn train(case: &Case, run: &Run) -> Observed {
                 ),
                 41,
             ),
-            Optim::new(case.opt, clip),
+            optim(case, ddp, clip),
             lr,
             run,
         ),
         Model::SyncBn => run_training(
             deterministic(SyncBnCnn::new(&device()), 41),
-            Optim::new(case.opt, clip),
+            optim(case, ddp, clip),
             lr,
             run,
         ),
@@ -402,10 +412,12 @@ fn train(case: &Case, run: &Run) -> Observed {
 // training code to compile); both delegate to Burn's own.
 
 /// Burn's SGD with momentum, Adam or AdamW, with global-norm clipping for the reference (plain
-/// Burn has none: its optimizers clip each parameter on its own). Its state is not checkpointed
-/// (the harness does not resume).
+/// Burn has none: its optimizers clip each parameter on its own), or wrapped in burn-ddp's
+/// `ShardedOptimizer` for the sharded cases. Its state is not checkpointed (the harness does not
+/// resume).
 #[derive(Clone)]
 enum Optim<M: burn::module::AutodiffModule<TestBackend>> {
+    Sharded(Sharded<M>),
     Sgd(
         burn::optim::adaptor::OptimizerAdaptor<
             burn::optim::Sgd<burn::backend::NdArray>,
@@ -424,7 +436,25 @@ enum Optim<M: burn::module::AutodiffModule<TestBackend>> {
     ),
 }
 
+/// Burn's optimizers in burn-ddp's `ShardedOptimizer`.
+#[derive(Clone)]
+enum Sharded<M: burn::module::AutodiffModule<TestBackend>> {
+    Sgd(ShardedOptimizer<burn::optim::Sgd<burn::backend::NdArray>, M, TestBackend>),
+    Adam(ShardedOptimizer<burn::optim::Adam, M, TestBackend>),
+    AdamW(ShardedOptimizer<burn::optim::AdamW, M, TestBackend>),
+}
+
 impl<M: burn::module::AutodiffModule<TestBackend>> Optim<M> {
+    /// `kind` for burn-ddp with the optimizer state sharded.
+    fn sharded(kind: Opt) -> Self {
+        Optim::Sharded(match Self::new(kind, None) {
+            Optim::Sgd(o, _) => Sharded::Sgd(ShardedOptimizer::new(o)),
+            Optim::Adam(o, _) => Sharded::Adam(ShardedOptimizer::new(o)),
+            Optim::AdamW(o, _) => Sharded::AdamW(ShardedOptimizer::new(o)),
+            Optim::Sharded(s) => s,
+        })
+    }
+
     fn new(kind: Opt, clip: Option<f32>) -> Self {
         match kind {
             Opt::SgdMomentum => Optim::Sgd(
@@ -441,6 +471,7 @@ impl<M: burn::module::AutodiffModule<TestBackend>> Optim<M> {
     fn clip(&self) -> Option<f32> {
         match self {
             Optim::Sgd(_, c) | Optim::Adam(_, c) | Optim::AdamW(_, c) => *c,
+            Optim::Sharded(_) => None,
         }
     }
 }
@@ -457,6 +488,9 @@ impl<M: burn::module::AutodiffModule<TestBackend>> Optimizer<M, TestBackend> for
             Optim::Sgd(o, _) => o.step(lr, module, grads),
             Optim::Adam(o, _) => o.step(lr, module, grads),
             Optim::AdamW(o, _) => o.step(lr, module, grads),
+            Optim::Sharded(Sharded::Sgd(o)) => o.step(lr, module, grads),
+            Optim::Sharded(Sharded::Adam(o)) => o.step(lr, module, grads),
+            Optim::Sharded(Sharded::AdamW(o)) => o.step(lr, module, grads),
         }
     }
 
@@ -465,6 +499,9 @@ impl<M: burn::module::AutodiffModule<TestBackend>> Optimizer<M, TestBackend> for
             Optim::Sgd(o, _) => o.step_multi(lr, module, grads),
             Optim::Adam(o, _) => o.step_multi(lr, module, grads),
             Optim::AdamW(o, _) => o.step_multi(lr, module, grads),
+            Optim::Sharded(Sharded::Sgd(o)) => o.step_multi(lr, module, grads),
+            Optim::Sharded(Sharded::Adam(o)) => o.step_multi(lr, module, grads),
+            Optim::Sharded(Sharded::AdamW(o)) => o.step_multi(lr, module, grads),
         }
     }
 

@@ -84,7 +84,8 @@ fn nan_run_with(
         .with_non_finite(policy)
         .with_consistency_check_every(1)
         .with_optimizer_sharding(shard);
-    run_training(model, SgdConfig::new().init(), scheduler, &run)
+    let optimizer = burn_ddp::ShardedOptimizer::new(SgdConfig::new().init());
+    run_training(model, optimizer, scheduler, &run)
 }
 
 #[test]
@@ -320,6 +321,8 @@ fn resuming_from_a_checkpoint_gives_the_parameters_of_the_uninterrupted_run() {
 fn a_sharded_run_checkpoints_the_whole_optimizer_state_and_resumes_with_any_world_size() {
     let model = materialized(Mlp::new(&device()));
     let adam = || AdamConfig::new().init();
+    // burn-ddp's: Burn's Adam in the sharded optimizer (the plain Adam without sharding).
+    let sharded = || burn_ddp::ShardedOptimizer::new(AdamConfig::new().init());
     // The reference: plain Burn on one device, two epochs of batches of 16.
     let mut single = Run::new(None, 16, 6 * 16);
     single.epochs = 2;
@@ -329,7 +332,7 @@ fn a_sharded_run_checkpoints_the_whole_optimizer_state_and_resumes_with_any_worl
     run.epochs = 2;
     run.config = DdpConfig::default().with_optimizer_sharding(true);
     run.artifacts = Some(scratch("sharded-uninterrupted"));
-    let (straight, _) = run_training(model.clone(), adam(), 1e-2, &run).unwrap();
+    let (straight, _) = run_training(model.clone(), sharded(), 1e-2, &run).unwrap();
     let diff = max_relative_difference(&straight, &reference);
     assert!(
         diff <= 1e-3,
@@ -339,7 +342,7 @@ fn a_sharded_run_checkpoints_the_whole_optimizer_state_and_resumes_with_any_worl
     let dir = scratch("sharded-interrupted");
     run.artifacts = Some(dir.clone());
     run.epochs = 1;
-    run_training(model.clone(), adam(), 1e-2, &run).unwrap();
+    run_training(model.clone(), sharded(), 1e-2, &run).unwrap();
     run.epochs = 2;
     run.resume_after = Some(1);
     // ... so the run resumes bit for bit on 2 sharded ranks, and as one device's (Adam's
@@ -350,7 +353,7 @@ fn a_sharded_run_checkpoints_the_whole_optimizer_state_and_resumes_with_any_worl
         let mut run = run.clone();
         run.replicas = Some(replicas);
         run.config = DdpConfig::default().with_optimizer_sharding(shard);
-        run_training(materialized(Mlp::new(&device())), adam(), 1e-2, &run)
+        run_training(materialized(Mlp::new(&device())), sharded(), 1e-2, &run)
             .unwrap()
             .0
     };
@@ -380,7 +383,8 @@ fn a_sharded_job_of_processes_resumes_every_ranks_optimizer_state() {
                 replicas: None,
                 ..run.clone()
             };
-            run_training(deterministic_mlp(), AdamConfig::new().init(), 1e-2, &run).map(|r| r.0)
+            let optimizer = burn_ddp::ShardedOptimizer::new(AdamConfig::new().init());
+            run_training(deterministic_mlp(), optimizer, 1e-2, &run).map(|r| r.0)
         });
         let mut results = results.into_iter().map(|r| r.unwrap().unwrap());
         let rank0 = results.next().unwrap();

@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use burn::data::dataloader::DataLoader;
 use burn::data::dataset::{Dataset, InMemDataset};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer, SgdConfig};
 use burn::train::TrainStep;
 use burn_ddp::{
     DdpConfig, DistributedDataLoader, DistributedDataParallel, DistributedSampler, ProcessGroup,
-    group::ThreadGroup,
+    ShardedOptimizer, group::ThreadGroup,
 };
 use burn_ddp_tests::{
     ItemBatcher, Mlp, Run, TestBackend, device, float_tensors, materialized,
@@ -21,7 +22,7 @@ use burn_ddp_tests::{
 /// another order (a wrong weighting or a duplicated sample is 1e-3 to 1e-2 off).
 const TOLERANCE: f32 = 1e-5;
 
-fn adamw() -> impl Optimizer<Mlp<TestBackend>, TestBackend> + 'static {
+fn adamw() -> OptimizerAdaptor<AdamW, Mlp<TestBackend>, TestBackend> {
     AdamWConfig::new().with_weight_decay(1e-2).init()
 }
 
@@ -64,7 +65,8 @@ fn a_rank_without_a_sample_in_the_last_step_takes_part_in_it() {
         run.config = DdpConfig::default()
             .with_optimizer_sharding(shard)
             .with_consistency_check_every(1);
-        let (ddp, report) = run_training(model.clone(), adamw(), 5e-3, &run).unwrap();
+        let optimizer = ShardedOptimizer::new(adamw());
+        let (ddp, report) = run_training(model.clone(), optimizer, 5e-3, &run).unwrap();
         assert_as_one_device(
             &format!("86 samples, 3 thread ranks, accumulation 2, sharded: {shard}"),
             &initial,

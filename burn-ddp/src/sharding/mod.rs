@@ -4,14 +4,19 @@
 //! [`state`].
 //!
 //! A step under sharding: the gradients are all-reduced as without it (the reducer, its checks,
-//! clipping and hooks see them whole); each rank drops the gradients of the parameters it does not
-//! own ([`OptimizerShards::keep_own`]), so Burn's optimizer steps its own parameters only and
-//! keeps state for those only (Burn's `OptimizerAdaptor` leaves a parameter without a gradient
-//! alone); then every rank's updated parameters go to every rank in one
+//! clipping and hooks see them whole); inside the optimizer step ([`ShardedOptimizer`]) each rank
+//! drops the gradients of the parameters it does not own ([`OptimizerShards::keep_own`]), so
+//! Burn's optimizer steps its own parameters only and keeps state for those only (Burn's
+//! `OptimizerAdaptor` leaves a parameter without a gradient alone); then every rank's updated
+//! parameters go to every rank in one
 //! [`all_gather_f32`](crate::group::ExtendedCollectives::all_gather_f32)
-//! ([`OptimizerShards::gather`]), as raw bytes, so the replicas stay bit-identical.
+//! ([`OptimizerShards::gather_stepped`]), as raw bytes, so the replicas stay bit-identical
+//! before the step returns.
 
+pub(crate) mod optimizer;
 pub(crate) mod state;
+
+pub use optimizer::ShardedOptimizer;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -27,12 +32,15 @@ use crate::replica::{ReplicaLayout, TensorKind, restore_selected, snapshot_selec
 
 /// Which rank owns which parameters under optimizer-state sharding.
 ///
-/// The assignment: every tensor the optimizer may step (parameters, and frozen weights, which
-/// may be unfrozen later: owners never change during a run) is taken whole, grouped by Burn's
+/// The assignment: every tensor the optimizer may step is taken whole, grouped by Burn's
 /// `ParamId` (a shared weight's places go together), largest first (ties in registration order),
 /// each to the rank that owns the fewest bytes so far (ties to the lower rank): the greedy
-/// "longest processing time" rule, within 4/3 of the best balance, and computed by every rank
-/// from the layout alone (no communication). Buffers are not owned: every rank keeps its own.
+/// "longest processing time" rule, within one tensor of even and 4/3 of the best balance, and
+/// computed by every rank from the layout alone (no communication). The trainable parameters are
+/// balanced first, on their own, so fine-tuning a model whose weights are mostly frozen spreads
+/// the optimizer state evenly; the frozen weights, which may be unfrozen later, get owners too
+/// (balanced among themselves), so owners never change during a run. Buffers are not owned: every
+/// rank keeps its own.
 #[derive(Debug, Clone)]
 pub struct OptimizerShards {
     rank: usize,
@@ -41,7 +49,7 @@ pub struct OptimizerShards {
     owners: Vec<Option<usize>>,
     /// 4-byte words of each tensor packed raw (registration order).
     words: Vec<usize>,
-    /// Bytes owned by each rank.
+    /// Bytes of trainable parameters owned by each rank (at the start).
     bytes: Vec<u64>,
     /// For each float tensor, whether this rank owns it.
     own: std::sync::Arc<[bool]>,
@@ -65,24 +73,35 @@ impl OptimizerShards {
     pub fn new(layout: &ReplicaLayout, rank: usize, world_size: usize) -> Self {
         let world_size = world_size.max(1);
         let tensors = layout.tensors();
-        // One entry per id: its bytes, its first place.
-        let mut ids: Vec<(ParamId, u64, usize)> = Vec::new();
+        // One entry per id: its bytes, its first place, whether it is trainable now.
+        let mut ids: Vec<(ParamId, u64, usize, bool)> = Vec::new();
         let mut seen: HashMap<ParamId, usize> = HashMap::new();
         for t in tensors.iter().filter(|t| t.kind != TensorKind::Buffer) {
             if let std::collections::hash_map::Entry::Vacant(e) = seen.entry(t.id) {
                 e.insert(ids.len());
-                ids.push((t.id, (t.numel() * t.element_bytes) as u64, t.index));
+                ids.push((
+                    t.id,
+                    (t.numel() * t.element_bytes) as u64,
+                    t.index,
+                    t.kind == TensorKind::Parameter,
+                ));
             }
         }
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        order.sort_by_key(|&i| (std::cmp::Reverse(ids[i].1), ids[i].2));
-        let mut bytes = vec![0u64; world_size];
         let mut owner_of: HashMap<ParamId, usize> = HashMap::new();
-        for i in order {
-            let (id, size, _) = ids[i];
-            let least = (0..world_size).min_by_key(|&r| (bytes[r], r)).unwrap_or(0);
-            bytes[least] += size;
-            owner_of.insert(id, least);
+        let mut bytes = vec![0u64; world_size];
+        for trainable in [true, false] {
+            let mut order: Vec<usize> = (0..ids.len()).filter(|&i| ids[i].3 == trainable).collect();
+            order.sort_by_key(|&i| (std::cmp::Reverse(ids[i].1), ids[i].2));
+            let mut load = vec![0u64; world_size];
+            for i in order {
+                let (id, size, _, _) = ids[i];
+                let least = (0..world_size).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+                load[least] += size;
+                owner_of.insert(id, least);
+            }
+            if trainable {
+                bytes = load;
+            }
         }
         let owners: Vec<Option<usize>> = tensors
             .iter()
@@ -119,7 +138,8 @@ impl OptimizerShards {
         &self.owners
     }
 
-    /// Bytes of parameters each rank owns (and keeps optimizer state for), by rank.
+    /// Bytes of trainable parameters each rank owns (and keeps optimizer state for), by rank, as
+    /// the model was at the start.
     pub fn bytes_per_rank(&self) -> &[u64] {
         &self.bytes
     }
@@ -152,28 +172,29 @@ impl OptimizerShards {
         module.visit(&mut dropper);
     }
 
-    /// Every rank's updated parameters to every rank: the trainable tensors each rank owns,
-    /// packed as raw bytes (exact for every dtype) and padded to the largest share, in one
-    /// all-gather; each rank writes the others' into `module`. Frozen weights do not travel (no
-    /// rank stepped them). Every rank must call it after its optimizer step.
+    /// Every rank's updated parameters to every rank: the tensors each rank owns and stepped
+    /// (`stepped`, registration order, the same on every rank), packed as raw bytes (exact for
+    /// every dtype) and padded to the largest share, in one all-gather; each rank writes the
+    /// others' into `module`. Every rank must call it after its optimizer step. Returns the
+    /// module, with the others' parameters unless the all-gather failed.
     ///
     /// # Errors
     /// The all-gather's ([`ExtendedCollectives::all_gather_f32`]).
-    pub fn gather<B: Backend, M: Module<B>>(
+    pub(crate) fn gather_stepped<B: Backend, M: Module<B>>(
         &self,
         module: M,
+        stepped: &[bool],
         group: &dyn ProcessGroup,
         timeout: Duration,
-    ) -> Result<M> {
+    ) -> (M, Result<()>) {
         if self.world_size == 1 {
-            return Ok(module);
+            return (module, Ok(()));
         }
-        let trainable = trainable_places(&module);
         let select = |owner: usize| -> Vec<bool> {
             self.owners
                 .iter()
-                .zip(&trainable)
-                .map(|(o, t)| *t && *o == Some(owner))
+                .enumerate()
+                .map(|(i, o)| *o == Some(owner) && stepped.get(i).copied().unwrap_or(false))
                 .collect()
         };
         let share = |select: &[bool]| -> usize {
@@ -186,6 +207,9 @@ impl OptimizerShards {
         };
         let selections: Vec<Vec<bool>> = (0..self.world_size).map(select).collect();
         let block = selections.iter().map(|s| share(s)).max().unwrap_or(0);
+        if block == 0 {
+            return (module, Ok(()));
+        }
         // Buffers kept from step to step: a fresh 2 x 11 MB a step (the benchmark's MLP on 2
         // ranks) cost more in page faults than the copies themselves.
         let mut buffers = crate::group::lock(&self.buffers);
@@ -193,19 +217,37 @@ impl OptimizerShards {
         *mine = snapshot_selected_into(&module, &selections[self.rank], std::mem::take(mine));
         mine.resize(block, 0.0);
         all.resize(block * self.world_size, 0.0);
-        group.all_gather_f32(mine, all, timeout)?;
+        if let Err(err) = group.all_gather_f32(mine, all, timeout) {
+            return (module, Err(err));
+        }
         let mut module = module;
         for (owner, select) in selections.iter().enumerate() {
             if owner != self.rank && select.contains(&true) {
                 module = restore_selected(module, &all[owner * block..], select);
             }
         }
-        Ok(module)
+        (module, Ok(()))
+    }
+
+    /// [`gather_stepped`](Self::gather_stepped) of the tensors that are trainable in `module`
+    /// now.
+    ///
+    /// # Errors
+    /// The all-gather's.
+    pub fn gather<B: Backend, M: Module<B>>(
+        &self,
+        module: M,
+        group: &dyn ProcessGroup,
+        timeout: Duration,
+    ) -> Result<M> {
+        let trainable = trainable_places(&module);
+        let (module, gathered) = self.gather_stepped(module, &trainable, group, timeout);
+        gathered.map(|()| module)
     }
 }
 
 /// Whether each float tensor (registration order) requires gradients now.
-fn trainable_places<B: Backend, M: Module<B>>(module: &M) -> Vec<bool> {
+pub(crate) fn trainable_places<B: Backend, M: Module<B>>(module: &M) -> Vec<bool> {
     struct Trainable(Vec<bool>);
     impl<B: Backend> ModuleVisitor<B> for Trainable {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -263,7 +305,7 @@ mod tests {
 
     #[test]
     fn whole_tensors_go_largest_first_to_the_rank_with_the_fewest_bytes() {
-        let layout = ReplicaLayout::of(&net::<B>());
+        let layout = ReplicaLayout::of(&net::<Autodiff<B>>());
         // Tensors (registration order): big.weight 1024 B, big.bias 64, mid.weight 256,
         // mid.bias 32, small.weight 16, small.bias 8.
         let shards = OptimizerShards::new(&layout, 0, 2);
@@ -282,6 +324,47 @@ mod tests {
             OptimizerShards::new(&layout, 0, 1).bytes_per_rank(),
             &[1400]
         );
+    }
+
+    /// A model being fine-tuned: a large frozen backbone, a few small trainable layers.
+    #[derive(Module, Debug)]
+    struct FineTuned<B: Backend> {
+        backbone: Linear<B>,
+        head: Linear<B>,
+        adapter: Linear<B>,
+        extra: Linear<B>,
+    }
+
+    #[test]
+    fn the_trainable_bytes_are_balanced_when_most_weights_are_frozen() {
+        let device = Default::default();
+        let model = FineTuned::<Autodiff<B>> {
+            backbone: LinearConfig::new(64, 64).init(&device).no_grad(),
+            head: LinearConfig::new(16, 8).init(&device),
+            adapter: LinearConfig::new(16, 8).init(&device),
+            extra: LinearConfig::new(8, 8).init(&device),
+        };
+        let layout = ReplicaLayout::of(&model);
+        for world_size in [2, 3] {
+            let shards = OptimizerShards::new(&layout, 0, world_size);
+            let mut trainable = vec![0usize; world_size];
+            let mut largest = 0;
+            for t in layout.tensors() {
+                if t.kind == TensorKind::Parameter {
+                    let bytes = t.numel() * t.element_bytes;
+                    trainable[shards.owner(t.index).unwrap()] += bytes;
+                    largest = largest.max(bytes);
+                }
+            }
+            let spread = trainable.iter().max().unwrap() - trainable.iter().min().unwrap();
+            assert!(
+                spread <= largest,
+                "world size {world_size}: trainable bytes per rank {trainable:?} (largest tensor \
+                 {largest} bytes)"
+            );
+            // The frozen backbone has an owner too (it may be unfrozen later).
+            assert!(shards.owner(0).is_some());
+        }
     }
 
     #[test]

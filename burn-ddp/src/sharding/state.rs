@@ -247,6 +247,39 @@ pub(crate) fn gather_record<B: Backend, R: Record<B>>(
     record_of(&join(whole.iter()), device).map(Some)
 }
 
+/// `record` itself when it can be split by parameter: a map whose every key is the id of one of
+/// the model's parameters (`keys`; an empty map, an optimizer without state yet, passes).
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] naming `optimizer` (its type) and the first key that is not a
+/// parameter's (a wrapper's own fields, a param-groups record of several maps), or saying that
+/// the record is not a map.
+pub(crate) fn checked_record<B: Backend, R: Record<B>>(
+    record: R,
+    keys: &Keys,
+    optimizer: &str,
+    device: &B::Device,
+) -> Result<R> {
+    let refused = |detail: String| {
+        DdpError::InvalidConfig(format!(
+            "optimizer sharding splits the optimizer's record by parameter, and the record of \
+             {optimizer} is not a map keyed by parameter ({detail}): wrap one of Burn's \
+             per-parameter optimizers in burn_ddp::ShardedOptimizer directly, or turn sharding \
+             off (DdpConfig::with_optimizer_sharding(false))"
+        ))
+    };
+    let bytes = encoded(record)?;
+    if bytes == [rmp::Marker::Null.to_u8()] {
+        // A unit record: the optimizer keeps no state that a checkpoint would hold.
+        return record_of(&bytes, device);
+    }
+    let entries = split_ranges(&bytes).map_err(refused)?;
+    if let Some((key, _)) = entries.iter().find(|(key, _)| !keys.index_of.contains_key(key)) {
+        return Err(refused(format!("its entry `{key}` is no parameter of the model")));
+    }
+    record_of(&bytes, device)
+}
+
 /// Bytes of optimizer state in `record`: the sizes of its entries' values in MessagePack at full
 /// precision (the tensors' bytes and a few of their shapes' and counters'). Reads the record into
 /// host memory once, and its encoding once more: for reports, not for every step.

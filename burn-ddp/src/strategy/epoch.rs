@@ -545,11 +545,11 @@ where
     ) -> Result<bool> {
         if !outcome.non_finite {
             let started = Instant::now();
-            match &self.sharded {
+            match &mut self.sharded {
                 Some(sharded) => sharded.step(
                     &mut self.learner,
                     outcome.grads,
-                    self.group.as_ref(),
+                    &self.group,
                     self.config.timeout(),
                 )?,
                 None => self.learner.optimizer_step(outcome.grads),

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::time::Duration;
 
-use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::record::Record;
 use burn::tensor::Device;
@@ -25,7 +24,7 @@ use burn::train::{
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::sharding::OptimizerShards;
-use crate::sharding::state::{Keys, gather_record, optimizer_state_bytes, own_record};
+use crate::sharding::state::{Keys, checked_record, gather_record, optimizer_state_bytes, own_record};
 
 /// A checkpointer that hands each record it is given to a channel (or drops it).
 struct ToMemory<R> {
@@ -137,6 +136,8 @@ pub(super) struct Sharded {
     shards: Option<OptimizerShards>,
     /// Whether burn-train writes epoch checkpoints (they need the whole optimizer state).
     pub epoch_checkpoints: bool,
+    /// A `ShardedOptimizer` stepped in this run.
+    stepped: bool,
 }
 
 impl Sharded {
@@ -145,6 +146,7 @@ impl Sharded {
         Self {
             shards: None,
             epoch_checkpoints,
+            stepped: false,
         }
     }
 
@@ -162,13 +164,16 @@ impl Sharded {
         device: &Device<TrainingBackend<LC>>,
         timeout: Duration,
     ) -> Result<()> {
+        let optimizer = std::any::type_name::<LC::Optimizer>();
         let shards = self.shards.insert(shards);
-        if !resumed {
-            return Ok(());
-        }
         let record = reader.read(learner, timeout)?;
         let keys = Keys::of(&learner.model());
-        learner.load_optim(own_record(shards, &keys, record, device)?);
+        // A record that is not kept per parameter (a wrapper's own fields around the map) could
+        // not be split or joined: refused now, not at the first checkpoint.
+        let record = checked_record(record, &keys, optimizer, device)?;
+        if resumed {
+            learner.load_optim(own_record(shards, &keys, record, device)?);
+        }
         Ok(())
     }
 
@@ -178,25 +183,32 @@ impl Sharded {
         })
     }
 
-    /// The optimizer step of this rank's parameters on the averaged `grads`, then the
-    /// all-gather of every rank's updated parameters into `learner`'s model.
+    /// The optimizer step on the averaged `grads` (whole: a model's `optimize` sees every
+    /// gradient), in which the learner's [`ShardedOptimizer`](crate::ShardedOptimizer) steps
+    /// this rank's parameters and all-gathers every rank's.
     ///
     /// # Errors
-    /// The all-gather's.
+    /// The all-gather's; [`DdpError::InvalidConfig`] when the learner's first optimizer step ran
+    /// no `ShardedOptimizer` (every parameter was stepped on every rank: nothing was sharded).
     pub fn step<LC: LearningComponentsTypes>(
-        &self,
+        &mut self,
         learner: &mut Learner<LC>,
-        mut grads: GradientsParams,
-        group: &dyn ProcessGroup,
+        grads: GradientsParams,
+        group: &Arc<dyn ProcessGroup>,
         timeout: Duration,
     ) -> Result<()> {
-        let shards = self.shards()?;
-        // The host buckets handed back this rank's own gradients only (`ReduceOptions::keep`);
-        // NCCL's device buckets hand back every one.
-        shards.keep_own(&learner.model(), &mut grads);
-        learner.optimizer_step(grads);
-        let model = shards.gather(learner.model(), group, timeout)?;
-        learner.load_model(model.into_record());
+        let shards = self.shards()?.clone();
+        let ran = crate::sharding::optimizer::sharded_step(&shards, group.clone(), timeout, || {
+            learner.optimizer_step(grads)
+        })?;
+        if !ran && !self.stepped {
+            let err = crate::sharding::optimizer::not_sharded(std::any::type_name::<
+                LC::Optimizer,
+            >());
+            group.abort(&err.to_string());
+            return Err(err);
+        }
+        self.stepped = true;
         Ok(())
     }
 
