@@ -393,11 +393,12 @@ impl DdpConfig {
         self.spike_factor
     }
 
-    /// Shards the optimizer state (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`): each rank
-    /// owns a share of the parameters (whole tensors, balanced by bytes: see
+    /// Shards the optimizer state (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`), with the
+    /// learner's optimizer wrapped in [`ShardedOptimizer`](crate::ShardedOptimizer): each rank
+    /// owns a share of the parameters (whole tensors, the trainable bytes balanced: see
     /// [`OptimizerShards`](crate::mechanism::OptimizerShards)), runs the optimizer step on its own
     /// parameters only, so Burn's optimizer keeps state (Adam's two moments) for those only, and
-    /// the updated parameters are then all-gathered (one
+    /// the updated parameters are all-gathered inside the optimizer step (one
     /// [`all_gather_f32`](crate::group::ExtendedCollectives::all_gather_f32) per step). Optimizer
     /// memory per rank falls by the world size (as far as whole tensors allow), and so does the
     /// optimizer step's work, but the all-gather adds time back (on the benchmark's 2-core CPU
@@ -405,8 +406,10 @@ impl DdpConfig {
     /// clipping, the NaN check and the hooks see them whole. Checkpoints hold the whole optimizer
     /// state (gathered on rank 0), so a run resumes with another world size or without sharding;
     /// while one is written, rank 0 holds the whole state again and every rank every share in
-    /// host memory. Needs an optimizer whose record is kept per parameter (Burn's
-    /// `OptimizerAdaptor`: SGD, Adam, AdamW, RmsProp, ...). Limits: the parameters' all-gather
+    /// host memory. [`DdpStrategy`](crate::DdpStrategy) refuses an optimizer that is not wrapped
+    /// (at the first step) and a record that is not kept per parameter (at start-up);
+    /// [`DistributedDataParallel::optimizer_step`](crate::DistributedDataParallel::optimizer_step)
+    /// shards any of Burn's optimizers itself. Limits: the parameters' all-gather
     /// goes through host memory (NCCL's too), and the first steps' check that every rank runs the
     /// same optimizer cannot see a difference (the all-gather makes the parameters equal).
     /// Default `false`. Every rank must use the same setting, and under sharding the same

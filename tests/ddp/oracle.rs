@@ -36,8 +36,9 @@ use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::{DdpConfig, ShardedOptimizer};
 use burn_ddp::config::UnevenInputs;
 use burn_ddp_tests::{
-    Batch, CLASSES, FEATURES, Mlp, Recording, Run, SplitSeen, SyncBnCnn, TestBackend, ValidKind,
-    deterministic, device, max_relative_difference, over_tcp, run_training,
+    Batch, BnCnn, CLASSES, FEATURES, Mlp, Recording, Run, SplitSeen, SyncBnCnn, TestBackend,
+    ValidKind, deterministic, device, float_tensors, max_relative_difference, over_tcp,
+    run_training, with_values,
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -385,8 +386,19 @@ fn train(case: &Case, run: &Run) -> Observed {
             lr,
             run,
         ),
-        Model::SyncBn => run_training(
+        // burn-ddp's SyncBatchNorm against Burn's own BatchNorm on one device, from the same
+        // values.
+        Model::SyncBn if ddp => run_training(
             deterministic(SyncBnCnn::new(&device()), 41),
+            optim(case, ddp, clip),
+            lr,
+            run,
+        ),
+        Model::SyncBn => run_training(
+            with_values(
+                BnCnn::new(&device()),
+                &float_tensors(&deterministic(SyncBnCnn::new(&device()), 41)),
+            ),
             optim(case, ddp, clip),
             lr,
             run,

@@ -99,3 +99,62 @@ pub fn synthetic_images(len: usize, seed: u64) -> Vec<fashion_mnist::data::Fashi
         })
         .collect()
 }
+
+/// `items` in the order one device sees them when it iterates what a `DistributedSampler` of world
+/// size 1 gives: each epoch `e` a permutation drawn by a generator seeded with `seed + e` (PyTorch's
+/// `DistributedSampler` semantics; `shuffle: false`, the items' own order), read by Burn's own
+/// loader from the first index to the last once per epoch. The reference side of the
+/// differential tests, written without burn-ddp: the epoch is the number of reads so far divided
+/// by the length, starting at `first_epoch` (a resumed run's).
+pub struct Permuted<I> {
+    items: Vec<I>,
+    seed: u64,
+    shuffle: bool,
+    first_epoch: u64,
+    reads: std::sync::atomic::AtomicUsize,
+    /// The epoch whose permutation is cached, and the permutation.
+    order: std::sync::Mutex<Option<(u64, Vec<usize>)>>,
+}
+
+impl<I> Permuted<I> {
+    /// `items`, permuted each epoch by a generator seeded with `seed + epoch` when `shuffle`.
+    pub fn new(items: Vec<I>, seed: u64, shuffle: bool, first_epoch: u64) -> Self {
+        Self {
+            items,
+            seed,
+            shuffle,
+            first_epoch,
+            reads: Default::default(),
+            order: Default::default(),
+        }
+    }
+}
+
+impl<I: Clone + Send + Sync> burn::data::dataset::Dataset<I> for Permuted<I> {
+    fn get(&self, index: usize) -> Option<I> {
+        use rand::SeedableRng;
+        use rand::seq::SliceRandom;
+        let len = self.items.len();
+        // Burn's loader asks for the index past the end to learn that the epoch is over.
+        if !self.shuffle || index >= len {
+            return self.items.get(index).cloned();
+        }
+        let read = self
+            .reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let epoch = self.first_epoch + (read / len.max(1)) as u64;
+        let mut cached = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let mut order: Vec<usize> = (0..len).collect();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed.wrapping_add(epoch));
+            order.shuffle(&mut rng);
+            *cached = Some((epoch, order));
+        }
+        let (_, order) = cached.as_ref()?;
+        self.items.get(*order.get(index)?).cloned()
+    }
+
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+}

@@ -210,12 +210,20 @@ where
         sampler = sampler.with_duplicate_padding();
     }
     let one_device = run.group.is_none() && run.replicas.is_none() && run.from_env.is_none();
+    // A resumed run continues from burn-train's epoch `resume_after + 1`: sampler epoch
+    // `resume_after`.
+    let first_epoch = run.resume_after.unwrap_or(0) as u64;
     let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> =
-        if one_device && !run.shuffle {
-            // The reference in the dataset's order: Burn's own loader, nothing of burn-ddp's.
+        if one_device {
+            // The reference: Burn's own loader over the sampler's order, nothing of burn-ddp's.
             burn::data::dataloader::DataLoaderBuilder::new(batcher.clone())
                 .batch_size(run.global_batch)
-                .build(InMemDataset::new(train))
+                .build(crate::data::Permuted::new(
+                    train,
+                    run.seed,
+                    run.shuffle,
+                    first_epoch,
+                ))
         } else {
             Arc::new(
                 DistributedDataLoader::new(
@@ -232,6 +240,15 @@ where
         };
     let valid_loader: Arc<dyn DataLoader<NdArray, <M::InnerModule as InferenceStep>::Input>> =
         match run.valid {
+            // The reference: Burn's own loader (a world-size-1 sampler's order: seed 0).
+            _ if one_device => burn::data::dataloader::DataLoaderBuilder::new(batcher)
+                .batch_size(run.valid_batch)
+                .build(crate::data::Permuted::new(
+                    valid,
+                    0,
+                    run.valid == ValidKind::Shuffled,
+                    first_epoch,
+                )),
             ValidKind::Distributed => Arc::new(DistributedDataLoader::new(
                 Arc::new(InMemDataset::new(valid.clone())),
                 batcher,

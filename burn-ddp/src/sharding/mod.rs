@@ -229,8 +229,9 @@ impl OptimizerShards {
         (module, Ok(()))
     }
 
-    /// [`gather_stepped`](Self::gather_stepped) of the tensors that are trainable in `module`
-    /// now.
+    /// Every rank's updated parameters to every rank: the tensors each rank owns and that are
+    /// trainable in `module` now, packed as raw bytes and all-gathered; each rank writes the
+    /// others' into `module`. Every rank must call it after its optimizer step.
     ///
     /// # Errors
     /// The all-gather's.
