@@ -960,7 +960,9 @@ impl<B: Backend, I, O> Drop for DistributedIterator<B, I, O> {
     fn drop(&mut self) {
         if let Some(counted) = self.counted {
             DRAWN.with(|d| {
-                if d.get().is_some_and(|drawn| drawn.iteration == counted.iteration) {
+                if d.get()
+                    .is_some_and(|drawn| drawn.iteration == counted.iteration)
+                {
                     d.set(None);
                 }
             });
@@ -1044,7 +1046,11 @@ mod tests {
             world_size: 3,
             ..Drawn::default()
         };
-        assert_eq!(drawn(2, 6).weight(), 1.0, "a full step is weighed exactly 1");
+        assert_eq!(
+            drawn(2, 6).weight(),
+            1.0,
+            "a full step is weighed exactly 1"
+        );
         assert_eq!(drawn(2, 5).weight(), 1.2);
         assert_eq!(drawn(1, 5).weight(), 0.6);
         assert_eq!(drawn(0, 5).weight(), 0.0);

@@ -98,4 +98,3 @@ fn a_process_with_another_optimizer_is_out_of_step_after_its_first_step() {
     let errors = job(|_, _| {}, |rank| rank == 1, |_| 0.01);
     out_of_step(errors, 1, "different optimizers or hyper-parameters");
 }
-

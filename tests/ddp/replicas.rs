@@ -302,3 +302,30 @@ fn buffer_sync_averages_the_ranks_statistics_or_copies_rank_0s() {
         assert_eq!(before[0], after[0]);
     }
 }
+
+#[test]
+fn a_micro_batch_left_over_at_an_epochs_end_leaves_processes_with_the_same_buffers() {
+    // 5 batches an epoch accumulated by 2: the fifth starts no optimizer step (its gradients
+    // are dropped, as burn-train drops them), but its forward pass moved every rank's BatchNorm
+    // statistics by its own samples. Processes (which do not share Burn's RunningState) must
+    // still end with the same buffers, as one device has one set.
+    let model = burn_ddp_tests::deterministic(BnCnn::new(&device()), 5);
+    let ranks = burn_ddp_tests::over_tcp(2, |_, group| {
+        let mut run = Run::new(None, 8, 5 * 8);
+        run.group = Some(group);
+        run.epochs = 2;
+        run.grad_accumulation = Some(2);
+        run_training(
+            burn_ddp_tests::copy_of(&model),
+            SgdConfig::new().init(),
+            0.1,
+            &run,
+        )
+        .map(|(tensors, _)| tensors)
+    });
+    let ranks: Vec<Vec<Vec<f32>>> = ranks.into_iter().map(|r| r.unwrap().unwrap()).collect();
+    assert_eq!(
+        ranks[1], ranks[0],
+        "rank 1's tensors (buffers included) differ from rank 0's"
+    );
+}

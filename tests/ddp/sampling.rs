@@ -39,7 +39,9 @@ fn loader(
     batch: usize,
     tail: Tail,
 ) -> Arc<dyn DataLoader<NdArray, Vec<usize>>> {
-    let sampler = DistributedSampler::new(len, world_size).unwrap().with_seed(11);
+    let sampler = DistributedSampler::new(len, world_size)
+        .unwrap()
+        .with_seed(11);
     let sampler = match tail {
         Tail::Exact => sampler,
         Tail::Padded => sampler.with_duplicate_padding(),
@@ -130,7 +132,10 @@ fn the_strategy_takes_every_rank_through_every_step_with_or_without_a_sample() {
     assert_eq!(report.epochs[0].samples, 11);
     assert_eq!(report.ranks[0].batches, 2);
     assert_eq!(report.ranks[1].batches, 1);
-    assert_eq!(report.ranks[1].comm.steps, 2, "rank 1 takes part in both steps");
+    assert_eq!(
+        report.ranks[1].comm.steps, 2,
+        "rank 1 takes part in both steps"
+    );
 }
 
 #[test]

@@ -2,16 +2,13 @@
 //! the optimizer step, or refuses what it cannot split: each case compared with plain Burn on one
 //! device (the same model, the same `optimize`, Burn's own optimizer).
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{Adam, AdamConfig, GradientsParams, Optimizer};
-use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
-use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use burn_ddp::{DdpConfig, DdpError, ShardedOptimizer};
 use burn_ddp_tests::{
-    Batch, BnCnn, GlobalNormClipped, Mlp, Run, TestBackend, device, float_tensors, materialized,
-    max_relative_difference, run_training, with_values,
+    BnCnn, FreezesAfterTwoSteps, GlobalNormClipped, Mlp, Run, TestBackend, WithTeacher, device,
+    float_tensors, materialized, max_relative_difference, run_training,
 };
 
 /// Adam's rounding between a sum over ranks and one device's (see the harness).
@@ -36,7 +33,10 @@ fn adam<M: AutodiffModule<TestBackend>>() -> OptimizerAdaptor<Adam, M, TestBacke
 
 fn assert_as_one_device(what: &str, one: &[Vec<f32>], ddp: &[Vec<f32>], initial: &[Vec<f32>]) {
     let moved = max_relative_difference(one, initial);
-    assert!(moved > 1e-3, "{what}: training moved the parameters by {moved} only");
+    assert!(
+        moved > 1e-3,
+        "{what}: training moved the parameters by {moved} only"
+    );
     let diff = max_relative_difference(ddp, one);
     assert!(
         diff <= TOLERANCE,
@@ -44,117 +44,18 @@ fn assert_as_one_device(what: &str, one: &[Vec<f32>], ddp: &[Vec<f32>], initial:
     );
 }
 
-/// The MLP whose `optimize` freezes its first layer after its second optimizer step.
-#[derive(Module, Debug)]
-struct FreezesAfterTwoSteps<B: Backend> {
-    inner: Mlp<B>,
-    #[module(skip)]
-    steps: usize,
-}
-
-impl<B: AutodiffBackend> TrainStep for FreezesAfterTwoSteps<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        // The inner model's parameters are this model's: its gradients are this model's.
-        TrainStep::step(&self.inner, batch)
-    }
-
-    fn optimize<B2, O>(self, optim: &mut O, lr: f64, grads: GradientsParams) -> Self
-    where
-        B2: AutodiffBackend,
-        O: Optimizer<Self, B2>,
-        Self: AutodiffModule<B2>,
-    {
-        let mut model = optim.step(lr, self, grads);
-        model.steps += 1;
-        if model.steps == 2 {
-            model.inner = model.inner.with_first_frozen();
-        }
-        model
-    }
-}
-
-impl<B: Backend> InferenceStep for FreezesAfterTwoSteps<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
-        InferenceStep::step(&self.inner, batch)
-    }
-}
-
 #[test]
 fn a_layer_frozen_in_optimize_after_the_step_is_gathered_first() {
-    let model = materialized(FreezesAfterTwoSteps {
-        inner: Mlp::new(&device()),
-        steps: 0,
-    });
+    let model = materialized(FreezesAfterTwoSteps::new(&device()));
     let initial = float_tensors(&model);
     let (one, _) = run_training(model.clone(), adam(), 1e-2, &run(None)).unwrap();
-    let (ddp, _) = run_training(
-        model,
-        ShardedOptimizer::new(adam()),
-        1e-2,
-        &run(Some(2)),
-    )
-    .unwrap();
+    let (ddp, _) = run_training(model, ShardedOptimizer::new(adam()), 1e-2, &run(Some(2))).unwrap();
     assert_as_one_device("fc1 frozen after step 2", &one, &ddp, &initial);
-}
-
-/// An MLP with a frozen teacher copy that `optimize` moves halfway to the student after every
-/// optimizer step (an exponential moving average, as in self-distillation).
-#[derive(Module, Debug)]
-struct WithTeacher<B: Backend> {
-    student: Mlp<B>,
-    teacher: Mlp<B>,
-}
-
-impl<B: AutodiffBackend> TrainStep for WithTeacher<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        // The student's parameters are this model's: its gradients are this model's.
-        TrainStep::step(&self.student, batch)
-    }
-
-    fn optimize<B2, O>(self, optim: &mut O, lr: f64, grads: GradientsParams) -> Self
-    where
-        B2: AutodiffBackend,
-        O: Optimizer<Self, B2>,
-        Self: AutodiffModule<B2>,
-    {
-        let model = optim.step(lr, self, grads);
-        let student = float_tensors(&model.student);
-        let mixed: Vec<Vec<f32>> = float_tensors(&model.teacher)
-            .iter()
-            .zip(&student)
-            .map(|(t, s)| t.iter().zip(s).map(|(t, s)| 0.5 * t + 0.5 * s).collect())
-            .collect();
-        WithTeacher {
-            teacher: with_values(model.teacher, &mixed),
-            student: model.student,
-        }
-    }
-}
-
-impl<B: Backend> InferenceStep for WithTeacher<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
-        InferenceStep::step(&self.student, batch)
-    }
 }
 
 #[test]
 fn a_teacher_updated_in_optimize_sees_the_whole_updated_student() {
-    let model = materialized(WithTeacher {
-        student: Mlp::new(&device()),
-        teacher: Mlp::new(&device()).no_grad(),
-    });
+    let model = materialized(WithTeacher::new(&device()));
     let initial = float_tensors(&model);
     let (one, _) = run_training(model.clone(), adam(), 1e-2, &run(None)).unwrap();
     for replicas in [2, 4] {
@@ -312,7 +213,10 @@ fn an_optimizer_record_not_kept_by_parameter_is_refused_naming_the_optimizer() {
     match run_training(model, optimizer, 1e-2, &run(Some(2))) {
         Err(DdpError::InvalidConfig(message)) => {
             assert!(message.contains("TwoGroups"), "{message}");
-            assert!(message.contains("not a map keyed by parameter"), "{message}");
+            assert!(
+                message.contains("not a map keyed by parameter"),
+                "{message}"
+            );
         }
         other => panic!("expected the refusal, got {:?}", other.map(|_| ())),
     }

@@ -28,7 +28,10 @@ fn adamw() -> OptimizerAdaptor<AdamW, Mlp<TestBackend>, TestBackend> {
 
 fn assert_as_one_device(what: &str, initial: &[Vec<f32>], one: &[Vec<f32>], ddp: &[Vec<f32>]) {
     let moved = max_relative_difference(one, initial);
-    assert!(moved > 1e-3, "{what}: training moved the parameters by {moved} only");
+    assert!(
+        moved > 1e-3,
+        "{what}: training moved the parameters by {moved} only"
+    );
     let diff = max_relative_difference(ddp, one);
     assert!(
         diff <= TOLERANCE,
@@ -98,7 +101,12 @@ fn ranks_in_separate_processes_split_a_short_last_batch_as_one_device() {
     });
     for (rank, trained) in ranks.into_iter().enumerate() {
         let (ddp, _) = trained.unwrap().unwrap();
-        assert_as_one_device(&format!("37 samples, TCP rank {rank}"), &initial, &one, &ddp);
+        assert_as_one_device(
+            &format!("37 samples, TCP rank {rank}"),
+            &initial,
+            &one,
+            &ddp,
+        );
     }
 }
 
@@ -180,9 +188,14 @@ fn custom_loop(
                         .without_shuffle()
                         .with_rank(rank)
                         .unwrap();
-                    let loader =
-                        DistributedDataLoader::new(dataset, ItemBatcher, sampler, per_rank, device())
-                            .unwrap();
+                    let loader = DistributedDataLoader::new(
+                        dataset,
+                        ItemBatcher,
+                        sampler,
+                        per_rank,
+                        device(),
+                    )
+                    .unwrap();
                     let mut optim = SgdConfig::new().init();
                     for _ in 0..epochs {
                         for batch in loader.iter_steps() {
@@ -264,5 +277,131 @@ impl burn::data::dataloader::batcher::Batcher<burn::backend::NdArray, usize, Vec
         _device: &burn::tensor::Device<burn::backend::NdArray>,
     ) -> Vec<usize> {
         items
+    }
+}
+
+/// Plain Burn on one device with gradient accumulation: SGD steps on the sum of every 2
+/// consecutive batches' gradients of `global` items (a micro-batch left over at the end is
+/// dropped, as burn-train drops it), `epochs` times.
+fn one_device_accumulating(
+    model: Mlp<TestBackend>,
+    items: &[burn_ddp_tests::Item],
+    global: usize,
+    epochs: usize,
+) -> Vec<Vec<f32>> {
+    use burn::data::dataloader::batcher::Batcher;
+    use burn::optim::GradientsAccumulator;
+    let mut model = model;
+    let mut optim = SgdConfig::new().init();
+    for _ in 0..epochs {
+        let chunks: Vec<_> = items.chunks(global).collect();
+        for pair in chunks.chunks_exact(2) {
+            let mut accumulator = GradientsAccumulator::new();
+            for chunk in pair {
+                let batch = ItemBatcher.batch(chunk.to_vec(), &device());
+                accumulator.accumulate(&model, TrainStep::step(&model, batch).grads);
+            }
+            model = optim.step(0.3, model, accumulator.grads());
+        }
+    }
+    float_tensors(&model)
+}
+
+/// A custom loop accumulating 2 micro-batches per step on `world_size` thread ranks; each
+/// micro-batch weighed through `weigh_micro_batch` when `weigh`. Every rank's result.
+fn accumulating_loop(
+    model: &Mlp<TestBackend>,
+    items: &[burn_ddp_tests::Item],
+    world_size: usize,
+    per_rank: usize,
+    weigh: bool,
+) -> Vec<Result<Vec<Vec<f32>>, burn_ddp::DdpError>> {
+    use burn::optim::GradientsAccumulator;
+    let groups = ThreadGroup::new_group(world_size).unwrap();
+    let dataset = Arc::new(InMemDataset::new(items.to_vec()));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                let (dataset, model) = (dataset.clone(), model.clone());
+                s.spawn(move || -> Result<Vec<Vec<f32>>, burn_ddp::DdpError> {
+                    let group: Arc<dyn ProcessGroup> = Arc::new(group);
+                    let (mut ddp, mut model) = DistributedDataParallel::new(
+                        group,
+                        model,
+                        &device(),
+                        DdpConfig::default(),
+                    )?;
+                    let sampler = DistributedSampler::new(dataset.len(), world_size)?
+                        .without_shuffle()
+                        .with_rank(rank)?;
+                    let loader = DistributedDataLoader::new(
+                        dataset,
+                        ItemBatcher,
+                        sampler,
+                        per_rank,
+                        device(),
+                    )?;
+                    let mut optim = SgdConfig::new().init();
+                    let mut accumulator = GradientsAccumulator::new();
+                    for (k, batch) in loader.iter_steps().enumerate() {
+                        let grads = match batch {
+                            Some(batch) => TrainStep::step(&model, batch).grads,
+                            None => GradientsParams::new(),
+                        };
+                        let grads = match weigh {
+                            true => ddp.weigh_micro_batch(&model, grads),
+                            false => grads,
+                        };
+                        accumulator.accumulate(&model, grads);
+                        if k % 2 == 1 {
+                            let grads = ddp.sync_gradients(&model, accumulator.grads())?;
+                            model = optim.step(0.3, model, grads);
+                        }
+                    }
+                    Ok(float_tensors(&model))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_custom_loop_weighs_each_micro_batch_under_accumulation() {
+    // 30 = 3 x 8 + 6 on 4 ranks of 2: 4 micro-batches, the last 2 + 2 + 1 + 1.
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let items = synthetic_dataset(30, 19);
+    let one = one_device_accumulating(model.clone(), &items, 8, 1);
+    let ranks = accumulating_loop(&model, &items, 4, 2, true);
+    for (rank, trained) in ranks.into_iter().enumerate() {
+        let trained = trained.unwrap();
+        assert_as_one_device(
+            &format!("accumulation, rank {rank}"),
+            &initial,
+            &one,
+            &trained,
+        );
+    }
+    // Without weighing the short micro-batch, the synchronisation refuses (not a wrong result).
+    for (rank, result) in accumulating_loop(&model, &items, 4, 2, false)
+        .into_iter()
+        .enumerate()
+    {
+        match result {
+            Err(burn_ddp::DdpError::InvalidConfig(message)) => {
+                assert!(
+                    message.contains("weigh_micro_batch"),
+                    "rank {rank}: {message}"
+                )
+            }
+            Err(burn_ddp::DdpError::Aborted { .. }) => {}
+            other => panic!(
+                "rank {rank}: expected the refusal, got {:?}",
+                other.map(|_| ())
+            ),
+        }
     }
 }

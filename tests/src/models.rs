@@ -1,9 +1,13 @@
 //! The models the tests train: MLPs, CNNs with BatchNorm and SyncBatchNorm, the example's CNN with deterministic parameters, and models that act at a chosen step.
 
+use burn::module::AutodiffModule;
 use burn::module::{Module, Param};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d, Relu};
+use burn::nn::{
+    BatchNorm, BatchNormConfig, Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu,
+};
+use burn::optim::{GradientsParams, Optimizer};
 
 use crate::data::{Batch, CLASSES, FEATURES, TestBackend, device};
 use crate::hooked::{Hooked, StepKind};
@@ -198,6 +202,142 @@ impl<B: burn_ddp::SyncBatchNormBackend> SyncBnCnn<B> {
         self.fc.forward(x.reshape([n, 4 * FEATURES]))
     }
 }
+
+/// The MLP whose `optimize` freezes its first layer after its second optimizer step.
+#[derive(Module, Debug)]
+pub struct FreezesAfterTwoSteps<B: Backend> {
+    inner: Mlp<B>,
+    #[module(skip)]
+    steps: usize,
+}
+
+impl<B: Backend> FreezesAfterTwoSteps<B> {
+    /// A new model on `device`.
+    pub fn new(device: &B::Device) -> Self {
+        Self {
+            inner: Mlp::new(device),
+            steps: 0,
+        }
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for FreezesAfterTwoSteps<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        // The inner model's parameters are this model's: its gradients are this model's.
+        TrainStep::step(&self.inner, batch)
+    }
+
+    fn optimize<B2, O>(self, optim: &mut O, lr: f64, grads: GradientsParams) -> Self
+    where
+        B2: AutodiffBackend,
+        O: Optimizer<Self, B2>,
+        Self: AutodiffModule<B2>,
+    {
+        let mut model = optim.step(lr, self, grads);
+        model.steps += 1;
+        if model.steps == 2 {
+            model.inner = model.inner.with_first_frozen();
+        }
+        model
+    }
+}
+
+impl<B: Backend> InferenceStep for FreezesAfterTwoSteps<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
+/// An MLP with a frozen teacher copy that `optimize` moves halfway to the student after every
+/// optimizer step (an exponential moving average, as in self-distillation).
+#[derive(Module, Debug)]
+pub struct WithTeacher<B: Backend> {
+    student: Mlp<B>,
+    teacher: Mlp<B>,
+}
+
+impl<B: Backend> WithTeacher<B> {
+    /// A new model on `device`: a student and a frozen teacher.
+    pub fn new(device: &B::Device) -> Self {
+        Self {
+            student: Mlp::new(device),
+            teacher: Mlp::new(device).no_grad(),
+        }
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for WithTeacher<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        // The student's parameters are this model's: its gradients are this model's.
+        TrainStep::step(&self.student, batch)
+    }
+
+    fn optimize<B2, O>(self, optim: &mut O, lr: f64, grads: GradientsParams) -> Self
+    where
+        B2: AutodiffBackend,
+        O: Optimizer<Self, B2>,
+        Self: AutodiffModule<B2>,
+    {
+        let model = optim.step(lr, self, grads);
+        let student = float_tensors(&model.student);
+        let mixed: Vec<Vec<f32>> = float_tensors(&model.teacher)
+            .iter()
+            .zip(&student)
+            .map(|(t, s)| t.iter().zip(s).map(|(t, s)| 0.5 * t + 0.5 * s).collect())
+            .collect();
+        WithTeacher {
+            teacher: with_values(model.teacher, &mixed),
+            student: model.student,
+        }
+    }
+}
+
+impl<B: Backend> InferenceStep for WithTeacher<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        InferenceStep::step(&self.student, batch)
+    }
+}
+
+/// The [`Mlp`] with dropout (p = 0.1) between its layers: training draws from the backend's
+/// random generator, so two runs never match bit for bit.
+#[derive(Module, Debug)]
+pub struct DropoutMlp<B: Backend> {
+    fc1: Linear<B>,
+    dropout: Dropout,
+    fc2: Linear<B>,
+    activation: Relu,
+}
+
+impl<B: Backend> DropoutMlp<B> {
+    /// A new model on `device`.
+    pub fn new(device: &B::Device) -> Self {
+        Self {
+            fc1: LinearConfig::new(FEATURES, 32).init(device),
+            dropout: DropoutConfig::new(0.1).init(),
+            fc2: LinearConfig::new(32, CLASSES).init(device),
+            activation: Relu::new(),
+        }
+    }
+
+    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+        let x = self.activation.forward(self.fc1.forward(inputs));
+        self.fc2.forward(self.dropout.forward(x))
+    }
+}
+
+classifier_steps!(DropoutMlp);
 
 /// Where [`interrupting`] models find the training's interrupter and after how many batches to use it.
 pub(crate) static INTERRUPT: std::sync::Mutex<Option<(Interrupter, usize)>> =

@@ -61,6 +61,9 @@ pub struct Run {
     pub config: DdpConfig,
     /// With the [`Interrupting`] model: rank 1 calls the interrupter during its N-th batch.
     pub interrupt_after: Option<usize>,
+    /// Receives burn-train's interrupter of the training (for a scheduler or a hook of the test's
+    /// own that stops it).
+    pub interrupter: Option<Arc<std::sync::Mutex<Option<burn::train::Interrupter>>>>,
     /// A process group: this process is one rank of a multi-process job (`replicas` is ignored).
     pub group: Option<Arc<dyn ProcessGroup>>,
     /// burn-train's artifact directory: checkpoints go to `<dir>/checkpoint` (atomic, full
@@ -110,6 +113,7 @@ impl Run {
             seed: 7,
             config: DdpConfig::default(),
             interrupt_after: None,
+            interrupter: None,
             group: None,
             artifacts: None,
             resume_after: None,
@@ -213,31 +217,30 @@ where
     // A resumed run continues from burn-train's epoch `resume_after + 1`: sampler epoch
     // `resume_after`.
     let first_epoch = run.resume_after.unwrap_or(0) as u64;
-    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> =
-        if one_device {
-            // The reference: Burn's own loader over the sampler's order, nothing of burn-ddp's.
-            burn::data::dataloader::DataLoaderBuilder::new(batcher.clone())
-                .batch_size(run.global_batch)
-                .build(crate::data::Permuted::new(
-                    train,
-                    run.seed,
-                    run.shuffle,
-                    first_epoch,
-                ))
-        } else {
-            Arc::new(
-                DistributedDataLoader::new(
-                    Arc::new(InMemDataset::new(train)),
-                    batcher.clone(),
-                    sampler,
-                    run.global_batch / world_size,
-                    device,
-                )?
-                .with_num_workers(run.loader_workers),
-                // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows
-                // burn-train's epoch, which `checkpoint(epoch)` sets.
-            )
-        };
+    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> = if one_device {
+        // The reference: Burn's own loader over the sampler's order, nothing of burn-ddp's.
+        burn::data::dataloader::DataLoaderBuilder::new(batcher.clone())
+            .batch_size(run.global_batch)
+            .build(crate::data::Permuted::new(
+                train,
+                run.seed,
+                run.shuffle,
+                first_epoch,
+            ))
+    } else {
+        Arc::new(
+            DistributedDataLoader::new(
+                Arc::new(InMemDataset::new(train)),
+                batcher.clone(),
+                sampler,
+                run.global_batch / world_size,
+                device,
+            )?
+            .with_num_workers(run.loader_workers),
+            // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows
+            // burn-train's epoch, which `checkpoint(epoch)` sets.
+        )
+    };
     let valid_loader: Arc<dyn DataLoader<NdArray, <M::InnerModule as InferenceStep>::Input>> =
         match run.valid {
             // The reference: Burn's own loader (a world-size-1 sampler's order: seed 0).
@@ -334,6 +337,11 @@ where
         && let Ok(mut slot) = INTERRUPT.lock()
     {
         *slot = Some((training.interrupter(), n));
+    }
+    if let Some(slot) = &run.interrupter
+        && let Ok(mut slot) = slot.lock()
+    {
+        *slot = Some(training.interrupter());
     }
     let strategy = match (&run.group, run.replicas) {
         (Some(group), _) => DdpStrategy::with_process_group(device, group.clone()),

@@ -43,8 +43,8 @@ mod link;
 mod options;
 mod phase;
 
-pub(crate) use gradients::scale as scale_gradients;
 pub use compress::GradientCompression;
+pub(crate) use gradients::scale as scale_gradients;
 pub use layout::{Bucket, BucketLayout};
 pub use options::{ReduceOptions, ReduceOutcome};
 

@@ -274,8 +274,13 @@ pub(crate) fn checked_record<B: Backend, R: Record<B>>(
         return record_of(&bytes, device);
     }
     let entries = split_ranges(&bytes).map_err(refused)?;
-    if let Some((key, _)) = entries.iter().find(|(key, _)| !keys.index_of.contains_key(key)) {
-        return Err(refused(format!("its entry `{key}` is no parameter of the model")));
+    if let Some((key, _)) = entries
+        .iter()
+        .find(|(key, _)| !keys.index_of.contains_key(key))
+    {
+        return Err(refused(format!(
+            "its entry `{key}` is no parameter of the model"
+        )));
     }
     record_of(&bytes, device)
 }

@@ -260,6 +260,12 @@ where
         report.train_time += started.elapsed();
         report.sync = run.watch.times();
         ended?;
+        if !run.policy.at_step_boundary() && state.stop.is_none() {
+            // Micro-batches left over were dropped, but their forward passes moved each rank's
+            // BatchNorm statistics by its own samples (one device has one set): every rank is
+            // here with as many of them.
+            self.sync_buffers(ddp)?;
+        }
         Ok(Trained {
             steps: state.steps,
             step: state.step,

@@ -24,7 +24,9 @@ use burn::train::{
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::sharding::OptimizerShards;
-use crate::sharding::state::{Keys, checked_record, gather_record, optimizer_state_bytes, own_record};
+use crate::sharding::state::{
+    Keys, checked_record, gather_record, optimizer_state_bytes, own_record,
+};
 
 /// A checkpointer that hands each record it is given to a channel (or drops it).
 struct ToMemory<R> {
@@ -198,13 +200,13 @@ impl Sharded {
         timeout: Duration,
     ) -> Result<()> {
         let shards = self.shards()?.clone();
-        let ran = crate::sharding::optimizer::sharded_step(&shards, group.clone(), timeout, || {
-            learner.optimizer_step(grads)
-        })?;
+        let ran =
+            crate::sharding::optimizer::sharded_step(&shards, group.clone(), timeout, || {
+                learner.optimizer_step(grads)
+            })?;
         if !ran && !self.stepped {
-            let err = crate::sharding::optimizer::not_sharded(std::any::type_name::<
-                LC::Optimizer,
-            >());
+            let err =
+                crate::sharding::optimizer::not_sharded(std::any::type_name::<LC::Optimizer>());
             group.abort(&err.to_string());
             return Err(err);
         }

@@ -1,0 +1,541 @@
+//! The harness's configurations: the dimensions, a fixed core that covers every value of every
+//! dimension at least once, and random cases drawn from a printed seed.
+
+use burn_ddp_tests::ValidKind;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Model {
+    /// The MLP.
+    Plain,
+    /// Its first layer frozen from the start.
+    Frozen,
+    /// Its first layer frozen, unfrozen after the second optimizer step.
+    Unfrozen,
+    /// A second layer that reads the first layer's weight (one `Param` in two places).
+    Tied,
+    /// A layer used only for batches that hold class-0 samples: unused on some steps and ranks.
+    PartlyUnused,
+    /// A CNN with `SyncBatchNorm` (batch statistics over every rank's samples); on one device,
+    /// Burn's `BatchNorm`.
+    SyncBn,
+    /// The MLP whose `optimize` freezes its first layer after the second step.
+    FreezesAfterStep,
+    /// An MLP and a frozen teacher copy that `optimize` moves towards it after every step.
+    Teacher,
+    /// A CNN with Burn's plain `BatchNorm` (per-replica batch statistics): not one device's.
+    PlainBn,
+    /// The MLP with dropout (the backend's random draws): not one device's.
+    Dropout,
+}
+
+impl Model {
+    /// Whether burn-ddp's result must equal one device's (otherwise the run must complete, the
+    /// replicas stay alike and the loss fall).
+    pub(super) fn exact(self) -> bool {
+        !matches!(self, Model::PlainBn | Model::Dropout)
+    }
+
+    /// Whether the model keeps state outside its record (a step count), so a resumed run
+    /// cannot continue it.
+    fn counts_steps(self) -> bool {
+        matches!(
+            self,
+            Model::Frozen | Model::Unfrozen | Model::FreezesAfterStep
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Opt {
+    SgdMomentum,
+    Adam,
+    AdamW,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Scheduler {
+    Constant,
+    StepDecay,
+    WarmupCosine,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Transport {
+    Threads,
+    Tcp,
+}
+
+/// Clipping by the global norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Clip {
+    Off,
+    /// burn-ddp's `DdpConfig::with_clip_grad_norm` (one device: an optimizer wrapper).
+    Setting,
+    /// A user's optimizer wrapper that clips, on both sides (around the sharded optimizer).
+    Wrapper,
+}
+
+/// Whether burn-ddp's side is stopped and resumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Resume {
+    No,
+    /// Stopped mid-epoch after a step checkpoint, resumed on as many ranks, into a model
+    /// initialised otherwise.
+    MidEpoch,
+    /// Stopped after epoch 1, resumed on `world` ranks with the sharding setting flipped, into a
+    /// model initialised otherwise.
+    AfterEpoch {
+        world: usize,
+    },
+}
+
+/// One configuration.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Case {
+    pub world: usize,
+    pub transport: Transport,
+    pub model: Model,
+    pub opt: Opt,
+    pub sched: Scheduler,
+    pub accumulation: Option<usize>,
+    pub clip: Clip,
+    /// Optimizer-state sharding (ZeRO-1) on the burn-ddp side.
+    pub shard: bool,
+    /// Training samples (any number: the last step may be short, or leave ranks without one).
+    pub samples: usize,
+    /// Samples per step over all ranks.
+    pub global_batch: usize,
+    /// Ranks may run out of data at different steps (uneven shards, `UnevenInputs::Join`).
+    pub join: bool,
+    pub shuffle: bool,
+    pub valid: ValidKind,
+    pub valid_samples: usize,
+    pub valid_batch: usize,
+    pub epochs: usize,
+    pub early_stopping: bool,
+    /// A learning rate large enough that the validation loss goes up at some epoch (for early
+    /// stopping).
+    pub high_lr: bool,
+    /// Train this many epochs instead (the schedule still spans `epochs`): the reference of an
+    /// early-stopping case, trained as far as its losses say.
+    pub stop_after: Option<usize>,
+    /// burn-ddp's bucket caps (first and others), in bytes; `None`: the defaults.
+    pub bucket_cap: Option<usize>,
+    pub resume: Resume,
+}
+
+/// A case with the defaults of the core set.
+pub(super) fn base() -> Case {
+    Case {
+        world: 2,
+        transport: Transport::Threads,
+        model: Model::Plain,
+        opt: Opt::Adam,
+        sched: Scheduler::Constant,
+        accumulation: None,
+        clip: Clip::Off,
+        shard: false,
+        samples: 48,
+        global_batch: 16,
+        join: false,
+        shuffle: true,
+        valid: ValidKind::Plain,
+        valid_samples: 10,
+        valid_batch: 4,
+        epochs: 2,
+        early_stopping: false,
+        high_lr: false,
+        stop_after: None,
+        bucket_cap: None,
+        resume: Resume::No,
+    }
+}
+
+/// The fixed core: every value of every dimension at least once.
+pub(super) fn core() -> Vec<Case> {
+    let b = base();
+    vec![
+        b,
+        Case {
+            model: Model::Frozen,
+            opt: Opt::SgdMomentum,
+            ..b
+        },
+        Case {
+            model: Model::Unfrozen,
+            opt: Opt::AdamW,
+            world: 3,
+            samples: 54,
+            global_batch: 18,
+            ..b
+        },
+        Case {
+            model: Model::Tied,
+            sched: Scheduler::StepDecay,
+            ..b
+        },
+        Case {
+            model: Model::PartlyUnused,
+            world: 4,
+            samples: 64,
+            ..b
+        },
+        Case {
+            model: Model::SyncBn,
+            opt: Opt::SgdMomentum,
+            transport: Transport::Tcp,
+            ..b
+        },
+        Case {
+            sched: Scheduler::WarmupCosine,
+            accumulation: Some(2),
+            epochs: 2,
+            ..b
+        },
+        Case {
+            clip: Clip::Setting,
+            opt: Opt::SgdMomentum,
+            world: 3,
+            samples: 48,
+            global_batch: 12,
+            ..b
+        },
+        Case {
+            transport: Transport::Tcp,
+            world: 3,
+            samples: 48,
+            global_batch: 12,
+            valid_samples: 11,
+            valid_batch: 3,
+            ..b
+        },
+        // A last batch smaller than the others (shards of 25, batches of 8).
+        Case {
+            samples: 50,
+            global_batch: 16,
+            shuffle: false,
+            valid: ValidKind::Distributed,
+            ..b
+        },
+        // Uneven shards and a dataset smaller than the world size, in join mode.
+        Case {
+            join: true,
+            samples: 3,
+            global_batch: 4,
+            world: 4,
+            ..b
+        },
+        Case {
+            join: true,
+            samples: 37,
+            global_batch: 8,
+            transport: Transport::Tcp,
+            ..b
+        },
+        Case {
+            early_stopping: true,
+            high_lr: true,
+            epochs: 6,
+            opt: Opt::SgdMomentum,
+            samples: 32,
+            valid_samples: 24,
+            ..b
+        },
+        Case {
+            early_stopping: true,
+            high_lr: true,
+            epochs: 6,
+            world: 3,
+            samples: 48,
+            global_batch: 12,
+            transport: Transport::Tcp,
+            ..b
+        },
+        // Optimizer-state sharding: Adam, SGD with momentum and a frozen layer, AdamW with
+        // weight decay on a layer unfrozen later and 3 ranks, a shared weight, clipping with a
+        // step schedule, accumulation with warm-up and cosine, TCP with SyncBatchNorm.
+        Case { shard: true, ..b },
+        Case {
+            shard: true,
+            model: Model::Frozen,
+            opt: Opt::SgdMomentum,
+            ..b
+        },
+        Case {
+            shard: true,
+            model: Model::Unfrozen,
+            opt: Opt::AdamW,
+            world: 3,
+            samples: 54,
+            global_batch: 18,
+            ..b
+        },
+        Case {
+            shard: true,
+            model: Model::Tied,
+            world: 4,
+            samples: 64,
+            ..b
+        },
+        Case {
+            shard: true,
+            clip: Clip::Setting,
+            opt: Opt::SgdMomentum,
+            sched: Scheduler::StepDecay,
+            world: 3,
+            global_batch: 12,
+            ..b
+        },
+        Case {
+            shard: true,
+            sched: Scheduler::WarmupCosine,
+            accumulation: Some(2),
+            opt: Opt::AdamW,
+            ..b
+        },
+        Case {
+            shard: true,
+            model: Model::SyncBn,
+            opt: Opt::SgdMomentum,
+            transport: Transport::Tcp,
+            ..b
+        },
+        // A dataset the global batch does not divide: the last step short (86 = 7 x 12 + 2:
+        // one rank without a sample), with accumulation and sharding, on threads and TCP; fewer
+        // samples than ranks; SyncBatchNorm with a short last step (23 = 5 x 4 + 3: 2 + 1).
+        Case {
+            samples: 86,
+            global_batch: 12,
+            world: 3,
+            accumulation: Some(2),
+            shard: true,
+            opt: Opt::AdamW,
+            ..b
+        },
+        Case {
+            samples: 37,
+            global_batch: 9,
+            world: 3,
+            transport: Transport::Tcp,
+            ..b
+        },
+        Case {
+            samples: 3,
+            global_batch: 8,
+            world: 4,
+            epochs: 3,
+            ..b
+        },
+        Case {
+            model: Model::SyncBn,
+            samples: 23,
+            global_batch: 4,
+            opt: Opt::SgdMomentum,
+            ..b
+        },
+        // What a model's `optimize` does around the step, sharded: a layer frozen after it, a
+        // teacher moved towards the student; a user's optimizer that clips by the global norm
+        // around the sharded one.
+        Case {
+            model: Model::FreezesAfterStep,
+            shard: true,
+            ..b
+        },
+        Case {
+            model: Model::Teacher,
+            shard: true,
+            world: 4,
+            samples: 64,
+            ..b
+        },
+        Case {
+            clip: Clip::Wrapper,
+            shard: true,
+            opt: Opt::SgdMomentum,
+            ..b
+        },
+        Case {
+            clip: Clip::Wrapper,
+            transport: Transport::Tcp,
+            ..b
+        },
+        // Not one device's by design: they must run, stay alike on every rank, and learn.
+        Case {
+            model: Model::PlainBn,
+            epochs: 3,
+            ..b
+        },
+        Case {
+            model: Model::Dropout,
+            epochs: 3,
+            transport: Transport::Tcp,
+            ..b
+        },
+        // Many buckets (caps of 256 bytes), one rank, many thread ranks.
+        Case {
+            bucket_cap: Some(256),
+            model: Model::Tied,
+            shard: true,
+            ..b
+        },
+        Case {
+            world: 1,
+            samples: 40,
+            ..b
+        },
+        Case {
+            world: 6,
+            samples: 100,
+            global_batch: 18,
+            ..b
+        },
+        Case {
+            world: 8,
+            samples: 70,
+            global_batch: 16,
+            shard: true,
+            ..b
+        },
+        // Stopped and resumed into a model initialised otherwise: mid-epoch on as many ranks
+        // (sharded), after an epoch on another world size (sharded there, not here; and the
+        // other way round, over TCP).
+        Case {
+            resume: Resume::MidEpoch,
+            shard: true,
+            samples: 80,
+            ..b
+        },
+        Case {
+            resume: Resume::AfterEpoch { world: 4 },
+            epochs: 3,
+            samples: 64,
+            ..b
+        },
+        Case {
+            resume: Resume::AfterEpoch { world: 2 },
+            world: 3,
+            global_batch: 12,
+            samples: 52,
+            shard: true,
+            transport: Transport::Tcp,
+            model: Model::SyncBn,
+            ..b
+        },
+    ]
+}
+
+/// A small deterministic generator (the tail's seed is printed).
+pub(super) struct Rng(pub u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
+
+/// A random case.
+pub(super) fn random(rng: &mut Rng) -> Case {
+    let transport = if rng.below(3) == 0 {
+        Transport::Tcp
+    } else {
+        Transport::Threads
+    };
+    // Threads: 1 to 8 ranks; TCP: 2 to 4.
+    let world = match transport {
+        Transport::Threads => 1 + rng.below(8),
+        Transport::Tcp => 2 + rng.below(3),
+    };
+    let per_rank = 2 + rng.below(5);
+    let model = [
+        Model::Plain,
+        Model::Frozen,
+        Model::Unfrozen,
+        Model::Tied,
+        Model::PartlyUnused,
+        Model::SyncBn,
+        Model::FreezesAfterStep,
+        Model::Teacher,
+        Model::PlainBn,
+        Model::Dropout,
+    ][rng.below(10)];
+    // Join mode refuses SyncBatchNorm.
+    let join = rng.below(5) == 0 && model != Model::SyncBn;
+    let steps = 2 + rng.below(4);
+    // A last step of any size (none, short, fewer samples than ranks), but SyncBatchNorm needs
+    // a sample on every rank in every step.
+    let rest = match (rng.below(3), model) {
+        (0, _) => 0,
+        (_, Model::SyncBn) => world + rng.below(world * per_rank - world),
+        _ => 1 + rng.below(world * per_rank - 1),
+    };
+    let samples = world * per_rank * steps + rest;
+    let mut case = Case {
+        world,
+        transport,
+        model,
+        opt: [Opt::SgdMomentum, Opt::Adam, Opt::AdamW][rng.below(3)],
+        sched: [
+            Scheduler::Constant,
+            Scheduler::StepDecay,
+            Scheduler::WarmupCosine,
+        ][rng.below(3)],
+        // Join refuses gradient accumulation.
+        accumulation: (!join && rng.below(3) == 0).then_some(2),
+        clip: [Clip::Off, Clip::Off, Clip::Setting, Clip::Wrapper][rng.below(4)],
+        shard: rng.below(3) == 0,
+        samples,
+        global_batch: world * per_rank,
+        join,
+        shuffle: rng.below(4) != 0,
+        valid: if rng.below(2) == 0 {
+            ValidKind::Plain
+        } else {
+            ValidKind::Distributed
+        },
+        valid_samples: 5 + rng.below(12),
+        valid_batch: 1 + rng.below(5),
+        epochs: 1 + rng.below(3),
+        early_stopping: false,
+        high_lr: false,
+        stop_after: None,
+        bucket_cap: (rng.below(4) == 0).then_some(256),
+        resume: Resume::No,
+    };
+    if !model.exact() {
+        // Enough epochs at a learning rate that learns (one device's loss falls too).
+        case.epochs = 4;
+        case.opt = Opt::Adam;
+        case.sched = Scheduler::Constant;
+        case.clip = Clip::Off;
+    }
+    // Resumed runs: Adam (whose state the harness's optimizer checkpoints), a model without
+    // step counts of its own, no join mode.
+    if rng.below(5) == 0 && !join && model.exact() && !model.counts_steps() {
+        case.opt = Opt::Adam;
+        case.resume = if case.epochs >= 2 && rng.below(2) == 0 {
+            let other = match transport {
+                Transport::Threads => 1 + rng.below(8),
+                Transport::Tcp => 2 + rng.below(3),
+            };
+            // The per-rank batch must divide the global batch on the other world size too.
+            let other = if case.global_batch.is_multiple_of(other) {
+                other
+            } else {
+                world
+            };
+            if model == Model::SyncBn && rest != 0 && rest < other {
+                // SyncBatchNorm needs a sample on every rank of the other world size too.
+                Resume::MidEpoch
+            } else {
+                Resume::AfterEpoch { world: other }
+            }
+        } else {
+            Resume::MidEpoch
+        };
+    }
+    case
+}
