@@ -302,6 +302,41 @@ impl JobIdentity {
     pub fn has_token(&self) -> bool {
         self.token.is_some()
     }
+
+    /// The key that signs this job's checkpoint state files, derived from the workers' key (every
+    /// process of the job holds it); `None` without a secret.
+    pub(crate) fn checkpoint_key(&self) -> Option<CheckpointKey> {
+        (self.secret != Secret::None)
+            .then(|| CheckpointKey(tag(&self.worker_key, &[b"burn-ddp checkpoint key v1"])))
+    }
+}
+
+/// The key of a job's checkpoint signatures ([`JobIdentity::checkpoint_key`]). `Debug` shows no
+/// key.
+#[derive(Clone)]
+pub(crate) struct CheckpointKey([u8; MAC_LEN]);
+
+impl std::fmt::Debug for CheckpointKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CheckpointKey(..)")
+    }
+}
+
+impl CheckpointKey {
+    /// The signature of `bytes`, in hexadecimal.
+    pub(crate) fn sign(&self, bytes: &[u8]) -> String {
+        hex(&tag(&self.0, &[b"burn-ddp checkpoint v1", bytes]))
+    }
+
+    /// Whether `signature` (hexadecimal) is this key's signature of `bytes`, compared in constant
+    /// time.
+    pub(crate) fn verifies(&self, bytes: &[u8], signature: &str) -> bool {
+        unhex(signature).is_some_and(|signature| {
+            mac(&self.0, &[b"burn-ddp checkpoint v1", bytes])
+                .verify_slice(&signature)
+                .is_ok()
+        })
+    }
 }
 
 /// The identity the unit tests' jobs share.

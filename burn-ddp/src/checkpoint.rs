@@ -153,6 +153,10 @@ pub struct DdpState {
     /// read from a state written before this field existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<String>,
+    /// HMAC-SHA-256 of the state (without this field) under the job's key, when the job has a
+    /// token (`BURN_DDP_JOB_TOKEN`, or the launcher's): a resumed run of the job checks it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
 }
 
 impl DdpState {
@@ -167,6 +171,27 @@ impl DdpState {
     /// [`DdpError::Checkpoint`] naming the file.
     pub fn write(&self, dir: &Path) -> Result<()> {
         write_json(self, &Self::path(dir, self.epoch))
+    }
+
+    /// The bytes the signature covers: the state as JSON without its signature.
+    fn signed_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(&DdpState {
+            mac: None,
+            ..self.clone()
+        })
+        .unwrap_or_default()
+    }
+
+    /// Signs the state under `key`.
+    pub(crate) fn sign(&mut self, key: &crate::auth::CheckpointKey) {
+        self.mac = Some(key.sign(&self.signed_bytes()));
+    }
+
+    /// Whether the state carries `key`'s signature.
+    pub(crate) fn signed_by(&self, key: &crate::auth::CheckpointKey) -> bool {
+        self.mac
+            .as_deref()
+            .is_some_and(|mac| key.verifies(&self.signed_bytes(), mac))
     }
 
     /// Reads the state written after `epoch`, if there is one.
@@ -195,10 +220,12 @@ impl DdpState {
 
 /// Where a run stood when rank 0 wrote a **step checkpoint** (after a stop signal, or every
 /// [`DdpConfig::with_checkpoint_every`](crate::DdpConfig::with_checkpoint_every) optimizer
-/// steps): `ddp-step-<n>.json`, written atomically after the checkpoint's model, optimizer and LR
-/// scheduler files (`ddp-model-<n>`, `ddp-optim-<n>`, `ddp-scheduler-<n>`, full precision) were
-/// written and read back, so its presence means the files were complete. `n` counts the
-/// gradient synchronisations of the run.
+/// steps): `ddp-step-<run>-<n>.json`, written atomically after the checkpoint's model, optimizer
+/// and LR scheduler files (`ddp-model-<run>-<n>.mpk`, `ddp-optim-<run>-<n>.mpk`,
+/// `ddp-scheduler-<run>-<n>.mpk`, full precision) were written and read back, so its presence
+/// means the files were complete; it holds their SHA-256, which a resume checks. `<run>` is the
+/// run id made safe for a file name ([`run_tag`]), so runs sharing a directory never touch each
+/// other's files. `n` counts the gradient synchronisations of the run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepState {
     /// The checkpoint's number (`n` in the file names): gradient synchronisations since the
@@ -217,23 +244,158 @@ pub struct StepState {
     /// read from a state written before this field existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<String>,
+    /// The checkpoint's record files (model, optimizer, LR scheduler, in the state's directory)
+    /// and their SHA-256. Empty when read from a state written before this field existed (its
+    /// files are then `ddp-model-<n>.mpk`, ..., unchecked).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub records: Vec<RecordFile>,
+    /// HMAC-SHA-256 of the state (without this field) under the job's key, when the job has a
+    /// token: a resumed run of the job checks it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+}
+
+/// A record file of a step checkpoint and its content's SHA-256.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordFile {
+    /// The file's name, in the state file's directory.
+    pub name: String,
+    /// SHA-256 of its bytes, hexadecimal.
+    pub sha256: String,
+}
+
+/// A run id as a part of file names: its letters, digits, `.` and `_` (others become `_`, at
+/// most 40), then `-` and 8 hexadecimal digits of its SHA-256, so two run ids never share a tag.
+pub fn run_tag(run_id: &str) -> String {
+    use sha2::Digest;
+    let safe: String = run_id
+        .chars()
+        .map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '_' => c,
+            _ => '_',
+        })
+        .take(40)
+        .collect();
+    let digest = sha2::Sha256::digest(run_id.as_bytes());
+    let short: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{safe}-{short}")
+}
+
+/// SHA-256 of a file's bytes, hexadecimal.
+///
+/// # Errors
+/// The file cannot be read.
+pub(crate) fn file_sha256(path: &Path) -> std::io::Result<String> {
+    use sha2::Digest;
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = sha2::Sha256::new();
+    std::io::copy(&mut file, &mut hasher)?;
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 impl StepState {
-    /// `dir/ddp-step-<number>.json`.
-    pub fn path(dir: &Path, number: u64) -> PathBuf {
-        dir.join(format!("ddp-step-{number}.json"))
+    /// The record files' prefixes of step checkpoints (the recorder adds `-<n>.mpk`).
+    const RECORDS: [&'static str; 3] = ["ddp-model", "ddp-optim", "ddp-scheduler"];
+
+    /// The prefixes of the record files of run `run_id`'s step checkpoints (`None`: a state
+    /// written before they carried the run's tag).
+    pub(crate) fn prefixes_of(run_id: Option<&str>) -> [String; 3] {
+        Self::RECORDS.map(|record| match run_id {
+            Some(run_id) => format!("{record}-{}", run_tag(run_id)),
+            None => record.to_string(),
+        })
     }
 
-    /// The prefixes of the checkpoint's three record files in `dir` (the recorder adds `.mpk`).
-    pub(crate) const RECORDS: [&'static str; 3] = ["ddp-model", "ddp-optim", "ddp-scheduler"];
+    /// The prefixes of this checkpoint's record files.
+    pub(crate) fn prefixes(&self) -> [String; 3] {
+        Self::prefixes_of(self.tagged().then_some(self.run_id.as_deref()).flatten())
+    }
 
-    /// Writes the state atomically (temporary file, sync, rename).
+    /// Whether its files carry the run's tag (states written with their records' hashes do).
+    fn tagged(&self) -> bool {
+        !self.records.is_empty() && self.run_id.is_some()
+    }
+
+    /// The state file of checkpoint `number` of run `run_id` in `dir`:
+    /// `dir/ddp-step-<run tag>-<number>.json`.
+    pub fn path_of(dir: &Path, run_id: &str, number: u64) -> PathBuf {
+        dir.join(format!("ddp-step-{}-{number}.json", run_tag(run_id)))
+    }
+
+    /// This state's file in `dir`.
+    pub fn file_in(&self, dir: &Path) -> PathBuf {
+        match (&self.run_id, self.tagged()) {
+            (Some(run_id), true) => Self::path_of(dir, run_id, self.number),
+            _ => dir.join(format!("ddp-step-{}.json", self.number)),
+        }
+    }
+
+    /// The bytes the signature covers: the state as JSON without its signature.
+    fn signed_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(&StepState {
+            mac: None,
+            ..self.clone()
+        })
+        .unwrap_or_default()
+    }
+
+    /// Signs the state under `key`.
+    pub(crate) fn sign(&mut self, key: &crate::auth::CheckpointKey) {
+        self.mac = Some(key.sign(&self.signed_bytes()));
+    }
+
+    /// Why the checkpoint is not the one its state describes, if it is not: a record file
+    /// missing, or changed since it was written (another file swapped in), or (with `key`) a
+    /// signature that is missing or not the job's.
+    pub(crate) fn verify(
+        &self,
+        dir: &Path,
+        key: Option<&crate::auth::CheckpointKey>,
+    ) -> std::result::Result<(), String> {
+        if let Some(key) = key {
+            match &self.mac {
+                None => return Err("it is not signed with this job's key".into()),
+                Some(mac) if !key.verifies(&self.signed_bytes(), mac) => {
+                    return Err("its signature is not this job's (another token, or edited)".into());
+                }
+                Some(_) => {}
+            }
+        }
+        for record in &self.records {
+            let path = dir.join(&record.name);
+            let actual = file_sha256(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            if actual != record.sha256 {
+                return Err(format!(
+                    "{} is not the file it was written with (SHA-256 {actual}, the state says {})",
+                    path.display(),
+                    record.sha256
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the state atomically (temporary file, sync, rename), to
+    /// [`file_in`](Self::file_in)`(dir)`.
     ///
     /// # Errors
     /// [`DdpError::Checkpoint`] naming the file.
     pub fn write(&self, dir: &Path) -> Result<()> {
-        write_json(self, &Self::path(dir, self.number))
+        write_json(self, &self.file_in(dir))
+    }
+
+    /// Reads a state file.
+    ///
+    /// # Errors
+    /// The file cannot be read or parsed, as a message.
+    pub fn read(path: &Path) -> std::result::Result<StepState, String> {
+        std::fs::read(path)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| serde_json::from_slice(&bytes).map_err(|e| e.to_string()))
     }
 
     /// Every step state in `dir`, newest first (by number); files that cannot be read or parsed
@@ -250,12 +412,7 @@ impl StepState {
                 })
                 .map(|entry| {
                     let path = entry.path();
-                    std::fs::read(&path)
-                        .map_err(|e| e.to_string())
-                        .and_then(|bytes| {
-                            serde_json::from_slice::<StepState>(&bytes).map_err(|e| e.to_string())
-                        })
-                        .map_err(|why| (path, why))
+                    Self::read(&path).map_err(|why| (path, why))
                 })
                 .collect();
         found.sort_by_key(|state| match state {
@@ -265,12 +422,27 @@ impl StepState {
         found
     }
 
-    /// Removes the checkpoint's JSON and record files from `dir` (missing ones are fine).
-    pub(crate) fn remove(dir: &Path, number: u64) {
-        let _ = std::fs::remove_file(Self::path(dir, number));
-        for prefix in Self::RECORDS {
-            let _ = std::fs::remove_file(dir.join(format!("{prefix}-{number}.mpk")));
+    /// Removes the checkpoint from `dir`: its state file first (so an interrupted removal never
+    /// leaves a state without its records), then its record files. Missing files are fine.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] naming a file that exists but cannot be removed.
+    pub(crate) fn remove(&self, dir: &Path) -> Result<()> {
+        let records = self
+            .prefixes()
+            .map(|p| dir.join(format!("{p}-{}.mpk", self.number)));
+        for path in std::iter::once(self.file_in(dir)).chain(records) {
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(DdpError::Checkpoint {
+                        path: path.display().to_string(),
+                        detail: format!("cannot delete the older step checkpoint: {e}"),
+                    });
+                }
+                _ => {}
+            }
         }
+        Ok(())
     }
 }
 
@@ -411,6 +583,7 @@ mod tests {
             next_sampler_epoch: 3,
             synchronisations: 310,
             run_id: Some("run-a".into()),
+            mac: None,
         };
         state.write(&dir).unwrap();
         assert_eq!(DdpState::read(&dir, 3).unwrap(), Some(state.clone()));
@@ -432,5 +605,67 @@ mod tests {
         std::fs::write(DdpState::path(&dir, 2), b"{").unwrap();
         assert!(DdpState::read(&dir, 2).is_err());
         let _ = std::fs::remove_dir_all(dir);
+    }
+    #[test]
+    fn a_signed_step_state_verifies_only_under_its_key_and_with_its_own_records() {
+        let dir = scratch("signed");
+        std::fs::create_dir_all(&dir).unwrap();
+        let record = dir.join("ddp-model-x-1.mpk");
+        std::fs::write(&record, b"the model's bytes").unwrap();
+        let key = |token: &[u8]| {
+            crate::auth::JobIdentity::new("run-x", Some(token))
+                .unwrap()
+                .checkpoint_key()
+                .unwrap()
+        };
+        let mut state = StepState {
+            number: 1,
+            epoch: 1,
+            batches: 2,
+            world_size: 2,
+            optimizer_steps: 1,
+            run_id: Some("run-x".into()),
+            records: vec![RecordFile {
+                name: "ddp-model-x-1.mpk".into(),
+                sha256: file_sha256(&record).unwrap(),
+            }],
+            mac: None,
+        };
+        // Unsigned: fine without a key, refused with one.
+        assert_eq!(state.verify(&dir, None), Ok(()));
+        assert!(state.verify(&dir, Some(&key(b"the job's token"))).is_err());
+        state.sign(&key(b"the job's token"));
+        assert_eq!(state.verify(&dir, Some(&key(b"the job's token"))), Ok(()));
+        // Another job's key, or an edited state, does not verify.
+        assert!(state.verify(&dir, Some(&key(b"another token"))).is_err());
+        let edited = StepState {
+            batches: 3,
+            ..state.clone()
+        };
+        assert!(edited.verify(&dir, Some(&key(b"the job's token"))).is_err());
+        // Nor does a record file that changed since the state was written.
+        std::fs::write(&record, b"another model's bytes").unwrap();
+        let why = state.verify(&dir, None).unwrap_err();
+        assert!(why.contains("ddp-model-x-1.mpk"), "{why}");
+        // A state survives its JSON round trip with its signature.
+        state.write(&dir).unwrap();
+        assert_eq!(StepState::read(&state.file_in(&dir)), Ok(state.clone()));
+        assert!(
+            state
+                .file_in(&dir)
+                .ends_with(format!("ddp-step-{}-1.json", run_tag("run-x")))
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn run_tags_are_file_name_safe_and_tell_run_ids_apart() {
+        assert_ne!(run_tag("run/a"), run_tag("run_a"));
+        assert!(
+            run_tag("job 7: ../../etc")
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        );
+        assert!(run_tag(&"x".repeat(128)).len() <= 49);
     }
 }

@@ -59,6 +59,7 @@ pub struct DdpConfig {
     gradient_compression: GradientCompression,
     resume: bool,
     resume_from: Option<std::path::PathBuf>,
+    overwrite_checkpoints: bool,
     run_id: Option<String>,
     checkpoint_every: u64,
     stop_on_signal: bool,
@@ -88,6 +89,7 @@ impl PartialEq for DdpConfig {
             && self.gradient_compression == other.gradient_compression
             && self.resume == other.resume
             && self.resume_from == other.resume_from
+            && self.overwrite_checkpoints == other.overwrite_checkpoints
             && self.run_id == other.run_id
             && self.checkpoint_every == other.checkpoint_every
             && self.stop_on_signal == other.stop_on_signal
@@ -179,6 +181,7 @@ impl Default for DdpConfig {
             gradient_compression: GradientCompression::None,
             resume: false,
             resume_from: None,
+            overwrite_checkpoints: false,
             run_id: None,
             checkpoint_every: 0,
             stop_on_signal: true,
@@ -292,13 +295,31 @@ impl DdpConfig {
     }
 
     /// Start from a checkpoint you point at, whichever run wrote it: a step checkpoint's state
-    /// file (`ddp-step-<n>.json`), an epoch's (`ddp-state-<epoch>.json`, whose burn-train
+    /// file (`ddp-step-<run tag>-<n>.json`), an epoch's (`ddp-state-<epoch>.json`, whose burn-train
     /// checkpoint is in the checkpoint directory), or a directory (its newest complete
     /// checkpoint). Implies [`with_resume`](Self::with_resume).
     pub fn with_resume_from(mut self, path: impl Into<std::path::PathBuf>) -> Self {
         self.resume_from = Some(path.into());
         self.resume = true;
         self
+    }
+
+    /// Lets this run write burn-train's epoch checkpoints into a [checkpoint
+    /// directory](Self::with_checkpoint_dir) that holds another run's (default off: such a run
+    /// is refused at start-up, naming the directory and the other run, since burn-train's files
+    /// of an epoch, `model-<epoch>` and so on, carry no run and would be overwritten, and its
+    /// checkpointing strategy would delete older ones). burn-ddp's own step checkpoints are kept
+    /// per run and never touched by another run, with or without this. A run resumed from
+    /// another's checkpoint ([`with_resume_from`](Self::with_resume_from)) continues that run
+    /// and needs no permission.
+    pub fn with_overwrite_checkpoints(mut self, overwrite: bool) -> Self {
+        self.overwrite_checkpoints = overwrite;
+        self
+    }
+
+    /// Whether this run may overwrite another run's epoch checkpoints.
+    pub fn overwrite_checkpoints(&self) -> bool {
+        self.overwrite_checkpoints
     }
 
     /// The run id checkpoints are written and resumed under (default: `BURN_DDP_RUN_ID`, the

@@ -123,9 +123,120 @@ fn another_runs_checkpoints_are_not_resumed_unless_pointed_at() {
     .unwrap();
     let epochs: Vec<usize> = report.unwrap().epochs.iter().map(|e| e.epoch).collect();
     assert_eq!(epochs, vec![3]);
-    // Run A continues its own run.
-    let (_, report) = train_run(&dir, "run-a", 3, |c| c.with_resume(true)).unwrap();
+    // Run A continues its own run, over run B's epoch 3 only when told to.
+    match train_run(&dir, "run-a", 3, |c| c.with_resume(true)) {
+        Err(DdpError::Checkpoint { detail, .. }) => {
+            assert!(detail.contains("run run-b"), "{detail}")
+        }
+        other => panic!("expected the refusal, got {:?}", other.map(|_| ())),
+    }
+    let (_, report) = train_run(&dir, "run-a", 3, |c| {
+        c.with_resume(true).with_overwrite_checkpoints(true)
+    })
+    .unwrap();
     assert_eq!(report.unwrap().epochs.len(), 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The step checkpoints of `run_id` in `dir/checkpoint`, by number.
+fn step_checkpoints_of(dir: &Path, run_id: &str) -> Vec<u64> {
+    let mut numbers: Vec<u64> = burn_ddp::checkpoint::StepState::list(&dir.join("checkpoint"))
+        .into_iter()
+        .flatten()
+        .filter(|s| s.run_id.as_deref() == Some(run_id))
+        .map(|s| s.number)
+        .collect();
+    numbers.sort_unstable();
+    numbers
+}
+
+/// The files of `dir/checkpoint`, sorted.
+fn files_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.join("checkpoint"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_second_run_in_the_same_directory_leaves_the_first_runs_step_checkpoints_alone() {
+    // Run A: a step checkpoint every 2 steps, 12 steps (3 epochs of 4). Run B: another start,
+    // 16 steps, the same directory (told it may overwrite burn-train's epoch checkpoints there,
+    // which are not kept per run; burn-ddp's step checkpoints are).
+    let dir = scratch("two-runs-steps");
+    let every_2 = |c: DdpConfig| c.with_checkpoint_every(2);
+    train_run(&dir, "run-a", 3, every_2).unwrap();
+    let before = step_checkpoints_of(&dir, "run-a");
+    assert!(
+        !before.is_empty(),
+        "run A wrote step checkpoints: {:?}",
+        files_in(&dir)
+    );
+    let state = |n: u64| {
+        let path = dir.join("checkpoint");
+        burn_ddp::checkpoint::StepState::list(&path)
+            .into_iter()
+            .flatten()
+            .find(|s| s.run_id.as_deref() == Some("run-a") && s.number == n)
+    };
+    let newest_a = state(*before.last().unwrap()).unwrap();
+    train_run(&dir, "run-b", 4, |c| {
+        every_2(c).with_overwrite_checkpoints(true)
+    })
+    .unwrap();
+    assert_eq!(
+        step_checkpoints_of(&dir, "run-a"),
+        before,
+        "run B deleted or replaced run A's step checkpoints: {:?}",
+        files_in(&dir)
+    );
+    assert_eq!(
+        state(newest_a.number),
+        Some(newest_a),
+        "run A's newest state changed"
+    );
+    assert!(!step_checkpoints_of(&dir, "run-b").is_empty());
+    // Run A's newest step checkpoint still resumes (its records are its own).
+    let (_, report) = train_run(&dir, "run-a", 3, |c| {
+        c.with_resume_from(
+            burn_ddp::checkpoint::StepState::list(&dir.join("checkpoint"))
+                .into_iter()
+                .flatten()
+                .find(|s| s.run_id.as_deref() == Some("run-a"))
+                .map(|s| s.file_in(&dir.join("checkpoint")))
+                .unwrap(),
+        )
+    })
+    .unwrap();
+    assert!(report.is_some());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_new_run_refuses_a_directory_holding_another_runs_epoch_checkpoints() {
+    let dir = scratch("two-runs-epochs");
+    train_run(&dir, "run-a", 2, |c| c).unwrap();
+    let before = files_in(&dir);
+    match train_run(&dir, "run-b", 2, |c| c) {
+        Err(DdpError::Checkpoint { path, detail }) => {
+            assert!(path.ends_with("checkpoint"), "{path}");
+            assert!(detail.contains("run run-a"), "{detail}");
+            assert!(detail.contains("with_overwrite_checkpoints"), "{detail}");
+            assert!(detail.contains("another artifact directory"), "{detail}");
+        }
+        other => panic!("expected the refusal, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(
+        files_in(&dir),
+        before,
+        "the refused run changed run A's files"
+    );
+    // Told to, it overwrites them.
+    train_run(&dir, "run-b", 2, |c| c.with_overwrite_checkpoints(true)).unwrap();
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -381,5 +492,35 @@ fn root_a_full_disk_ends_the_worker_with_an_error_naming_the_checkpoint() {
     // Burn's recorder reports a failed write without the OS error text; what the user needs is
     // which checkpoint could not be written.
     assert!(stderr.contains("could not write"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_step_checkpoint_whose_record_was_swapped_is_not_resumed() {
+    // Run A keeps its last two step checkpoints; the newest one's model record is replaced by
+    // the older one's (a foreign or stale file under the right name).
+    let dir = scratch("swapped-record");
+    train_run(&dir, "run-a", 3, |c| c.with_checkpoint_every(2)).unwrap();
+    let checkpoints = dir.join("checkpoint");
+    let mut states: Vec<burn_ddp::checkpoint::StepState> =
+        burn_ddp::checkpoint::StepState::list(&checkpoints)
+            .into_iter()
+            .flatten()
+            .collect();
+    states.sort_by_key(|s| std::cmp::Reverse(s.number));
+    assert!(states.len() >= 2, "two step checkpoints kept");
+    let model_of =
+        |state: &burn_ddp::checkpoint::StepState| checkpoints.join(&state.records[0].name);
+    std::fs::copy(model_of(&states[1]), model_of(&states[0])).unwrap();
+    let newest = states[0].file_in(&checkpoints);
+    match train_run(&dir, "run-a", 3, |c| c.with_resume_from(&newest)) {
+        Err(DdpError::Checkpoint { detail, .. }) => {
+            assert!(detail.contains("nothing to resume from"), "{detail}");
+        }
+        other => panic!(
+            "expected the swapped checkpoint refused, got {:?}",
+            other.map(|_| ())
+        ),
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

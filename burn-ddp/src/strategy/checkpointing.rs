@@ -77,15 +77,19 @@ impl<LC: LearningComponentsTypes> Trainer<LC> {
             }
         }
         if let Some(dir) = self.config.checkpoint_dir() {
-            DdpState {
+            let mut state = DdpState {
                 epoch,
                 world_size: self.group.world_size(),
                 optimizer_steps: counters.optimizer_steps,
                 next_sampler_epoch: epoch as u64,
                 synchronisations: counters.synchronisations,
                 run_id: Some(self.run_id.clone()),
+                mac: None,
+            };
+            if let Some(key) = leader.step_checkpoints.as_ref().and_then(|c| c.key()) {
+                state.sign(key);
             }
-            .write(dir)?;
+            state.write(dir)?;
         }
         Ok(())
     }
@@ -165,6 +169,8 @@ impl<LC: LearningComponentsTypes> Trainer<LC> {
             world_size: self.group.world_size(),
             optimizer_steps: counters.optimizer_steps,
             run_id: Some(self.run_id.clone()),
+            records: Vec::new(),
+            mac: None,
         };
         let path = checkpoints.save(&self.learner, &state, &leader.event_store, &self.device);
         Sharded::put_back(&mut self.learner, own_state);
@@ -196,7 +202,7 @@ impl<LC: LearningComponentsTypes> Trainer<LC> {
             return err;
         }
         let checkpoint = self.config.checkpoint_dir().map(|dir| {
-            StepState::path(dir, counters.synchronisations)
+            StepState::path_of(dir, &self.run_id, counters.synchronisations)
                 .display()
                 .to_string()
         });

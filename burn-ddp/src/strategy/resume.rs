@@ -72,7 +72,7 @@ impl Candidate {
                 state.number,
                 state.batches,
                 state.epoch,
-                StepState::path(dir, state.number).display()
+                state.file_in(dir).display()
             ),
         }
     }
@@ -81,7 +81,7 @@ impl Candidate {
     fn state_path(&self, dir: &Path) -> PathBuf {
         match self {
             Candidate::Epoch(epoch) => DdpState::path(dir, *epoch),
-            Candidate::Step(state) => StepState::path(dir, state.number),
+            Candidate::Step(state) => state.file_in(dir),
         }
     }
 }
@@ -97,6 +97,8 @@ pub(super) struct Resuming<'a> {
     pub rank: usize,
     /// The job's ranks.
     pub world_size: usize,
+    /// The key this job signs its checkpoints with (a token's), if any.
+    pub key: Option<crate::auth::CheckpointKey>,
 }
 
 /// A checkpoint found, with the run that wrote it (`None`: no burn-ddp state says).
@@ -158,12 +160,9 @@ fn pointed_at(path: &Path, checkpoint_dir: Option<&Path>) -> Result<(PathBuf, Ve
             .parse()
             .ok()
     };
-    if let Some(number) = number("ddp-step-") {
-        let state = StepState::list(&dir)
-            .into_iter()
-            .flatten()
-            .find(|s| s.number == number)
-            .ok_or_else(|| not_one("no readable step checkpoint state there".into()))?;
+    if name.starts_with("ddp-step-") && name.ends_with(".json") {
+        let state = StepState::read(path)
+            .map_err(|why| not_one(format!("no readable step checkpoint state there: {why}")))?;
         return Ok((
             dir,
             vec![Found {
@@ -190,7 +189,7 @@ fn pointed_at(path: &Path, checkpoint_dir: Option<&Path>) -> Result<(PathBuf, Ve
         ));
     }
     Err(not_one(
-        "not a checkpoint: give a directory, a ddp-step-<n>.json or a ddp-state-<epoch>.json"
+        "not a checkpoint: give a directory, a ddp-step-<run tag>-<n>.json or a ddp-state-<epoch>.json"
             .into(),
     ))
 }
@@ -220,8 +219,15 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
         optimizer_steps: 0,
         synchronisations: 0,
     };
+    // burn-train's own `SupervisedTraining::checkpoint(epoch)` continues whichever run wrote
+    // that checkpoint, as the user asked.
+    let refuse_foreign = || match (epochs, starting_epoch) {
+        (Some(_), 0 | 1) => refuse_foreign_epoch_checkpoints(config, resuming.run_id),
+        _ => Ok(()),
+    };
     let asked = config.resume() || config.resume_from().is_some();
     if !asked && !resuming.restarted {
+        refuse_foreign()?;
         return Ok((None, from_start));
     }
     let Some((dir, found, own_only)) = candidates(config, epochs.is_some(), asked, resuming)?
@@ -231,7 +237,9 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
     let (mine, theirs): (Vec<Found>, Vec<Found>) = found
         .into_iter()
         .partition(|f| !own_only || f.owner.as_deref() == Some(resuming.run_id));
+    let key = own_only.then_some(resuming.key.as_ref()).flatten();
     let loading = Loading {
+        key,
         learner,
         epochs,
         device,
@@ -252,7 +260,57 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
     if resume.batches == 0 && resume.starting_epoch > 1 {
         counters_after_epoch(&dir, &mut resume, resuming);
     }
+    refuse_foreign()?;
     Ok((learner, resume))
+}
+
+/// burn-train writes its epoch checkpoints (`model-<epoch>`, ...) under names that carry no run:
+/// a run that would write them into a checkpoint directory holding another run's (or ones no
+/// burn-ddp state file claims) would overwrite them, and its checkpointing strategy delete older
+/// ones. Such a run is refused, unless it continues that run
+/// ([`DdpConfig::with_resume_from`]) or is told it may
+/// ([`DdpConfig::with_overwrite_checkpoints`]).
+///
+/// # Errors
+/// [`DdpError::Checkpoint`] naming the directory, the other run and its epochs, and the ways out.
+fn refuse_foreign_epoch_checkpoints(config: &DdpConfig, run_id: &str) -> Result<()> {
+    let Some(dir) = config.checkpoint_dir() else {
+        return Ok(());
+    };
+    if config.overwrite_checkpoints() || config.resume_from().is_some() {
+        return Ok(());
+    }
+    let foreign: Vec<(usize, Option<String>)> = epoch_checkpoints(dir)
+        .into_iter()
+        .map(|epoch| {
+            let owner = DdpState::read(dir, epoch)
+                .ok()
+                .flatten()
+                .and_then(|s| s.run_id);
+            (epoch, owner)
+        })
+        .filter(|(_, owner)| owner.as_deref() != Some(run_id))
+        .collect();
+    let Some((_, owner)) = foreign.first() else {
+        return Ok(());
+    };
+    let epochs: Vec<String> = foreign.iter().map(|(e, _)| e.to_string()).collect();
+    let whose = owner.as_deref().map_or(
+        "a run no burn-ddp state file names (plain Burn's?)".to_string(),
+        |o| format!("run {o}"),
+    );
+    Err(DdpError::Checkpoint {
+        path: dir.display().to_string(),
+        detail: format!(
+            "this is run {run_id}, and the directory holds burn-train's checkpoints of epoch(s) \
+             {} of {whose}, which this run would overwrite (burn-train's files carry no run): \
+             train in another artifact directory, continue that run \
+             (DdpConfig::with_resume_from(<the directory>), or BURN_DDP_RUN_ID=<its run id> with \
+             with_resume(true)), or let this run overwrite them \
+             (DdpConfig::with_overwrite_checkpoints(true))",
+            epochs.join(", ")
+        ),
+    })
 }
 
 /// Where to look and what may be taken: the checkpoint directory's candidates (this run's only),
@@ -292,6 +350,9 @@ fn candidates(
 
 /// Loading a candidate checkpoint into a copy of the learner.
 struct Loading<'a, LC: LearningComponentsTypes> {
+    /// The job's key when only this run's own checkpoints are taken: they must be signed with
+    /// it.
+    key: Option<&'a crate::auth::CheckpointKey>,
     learner: &'a Learner<LC>,
     epochs: Option<&'a LearningCheckpointer<LC>>,
     device: &'a Device<TrainingBackend<LC>>,
@@ -368,6 +429,9 @@ impl<LC: LearningComponentsTypes> Loading<'_, LC> {
     /// passed over like any other, and one at an epoch's first batch re-shards).
     fn load(&self, candidate: &Candidate) -> Result<std::result::Result<Learner<LC>, String>> {
         let world_size = self.resuming.world_size;
+        if let Err(why) = self.verify(candidate) {
+            return Ok(Err(why));
+        }
         let loaded = match candidate {
             Candidate::Epoch(epoch) => self
                 .epochs
@@ -375,7 +439,7 @@ impl<LC: LearningComponentsTypes> Loading<'_, LC> {
                 .and_then(|c| {
                     quietly(|| c.load_checkpoint(self.learner.clone(), self.device, *epoch))
                 }),
-            Candidate::Step(state) => StepCheckpoints::<LC>::new(self.dir).load(
+            Candidate::Step(state) => StepCheckpoints::<LC>::loading(self.dir, state).load(
                 self.learner.clone(),
                 self.device,
                 state.number,
@@ -386,9 +450,7 @@ impl<LC: LearningComponentsTypes> Loading<'_, LC> {
             && state.batches > 0
         {
             return Err(DdpError::Checkpoint {
-                path: StepState::path(self.dir, state.number)
-                    .display()
-                    .to_string(),
+                path: state.file_in(self.dir).display().to_string(),
                 detail: format!(
                     "the newest checkpoint was taken at batch {} of epoch {} by a job of world \
                      size {}, this job has {world_size}: the batches of a partly trained epoch \
@@ -399,6 +461,27 @@ impl<LC: LearningComponentsTypes> Loading<'_, LC> {
             });
         }
         Ok(loaded)
+    }
+
+    /// Why `candidate` is not the checkpoint it claims to be, if it is not: a step checkpoint's
+    /// record file that changed since it was written (another run's swapped in, a partial copy);
+    /// with the job's key (when resuming this run's own), a state file that is not signed with
+    /// it.
+    fn verify(&self, candidate: &Candidate) -> std::result::Result<(), String> {
+        match candidate {
+            Candidate::Step(state) => state.verify(self.dir, self.key),
+            Candidate::Epoch(epoch) => match self.key {
+                Some(key) => match DdpState::read(self.dir, *epoch) {
+                    Ok(Some(state)) if state.signed_by(key) => Ok(()),
+                    Ok(_) => Err(format!(
+                        "{} is not signed with this job's key",
+                        DdpState::path(self.dir, *epoch).display()
+                    )),
+                    Err(e) => Err(e.to_string()),
+                },
+                None => Ok(()),
+            },
+        }
     }
 }
 
@@ -505,43 +588,66 @@ impl CheckpointingStrategy for SaveEach {
     }
 }
 
-/// burn-ddp's step checkpoints in one directory (see the [module docs](self)): rank 0 writes
-/// them, every rank can load them.
+/// burn-ddp's step checkpoints of one run in one directory (see the [module docs](self)): rank 0
+/// writes them, every rank can load them. Their files carry the run's tag
+/// ([`run_tag`](crate::checkpoint::run_tag)): other runs' in the directory are never touched.
 pub(super) struct StepCheckpoints<LC: LearningComponentsTypes> {
     dir: PathBuf,
+    /// The run whose checkpoints these are (`None`: one written before files carried it).
+    run_id: Option<String>,
+    /// Signs the state files when the job has a token.
+    key: Option<crate::auth::CheckpointKey>,
     checkpointer: LearningCheckpointer<LC>,
     /// Where the background writers report a failed write.
     failures: Interrupter,
 }
 
 impl<LC: LearningComponentsTypes> StepCheckpoints<LC> {
-    /// The step checkpoints of `dir` (full-precision MessagePack, written atomically).
-    pub fn new(dir: &Path) -> Self {
+    /// The step checkpoints of run `run_id` in `dir` (full-precision MessagePack, written
+    /// atomically), signed with `key` when given.
+    pub fn new(dir: &Path, run_id: &str, key: Option<crate::auth::CheckpointKey>) -> Self {
+        Self::with_prefixes(dir, Some(run_id), key, StepState::prefixes_of(Some(run_id)))
+    }
+
+    /// For loading the checkpoint `state` describes (whichever run wrote it).
+    fn loading(dir: &Path, state: &StepState) -> Self {
+        Self::with_prefixes(dir, state.run_id.as_deref(), None, state.prefixes())
+    }
+
+    fn with_prefixes(
+        dir: &Path,
+        run_id: Option<&str>,
+        key: Option<crate::auth::CheckpointKey>,
+        [model, optim, scheduler]: [String; 3],
+    ) -> Self {
         let recorder = AtomicRecorder::new(NamedMpkFileRecorder::<FullPrecisionSettings>::new());
         let failures = Interrupter::new();
-        let [model, optim, scheduler] = StepState::RECORDS;
         let checkpointer = LearningCheckpointer::new(
-            AsyncCheckpointer::new(FileCheckpointer::new(recorder.clone(), dir, model))
+            AsyncCheckpointer::new(FileCheckpointer::new(recorder.clone(), dir, &model))
                 .with_interrupter(failures.clone()),
-            AsyncCheckpointer::new(FileCheckpointer::new(recorder.clone(), dir, optim))
+            AsyncCheckpointer::new(FileCheckpointer::new(recorder.clone(), dir, &optim))
                 .with_interrupter(failures.clone()),
-            AsyncCheckpointer::new(FileCheckpointer::new(recorder, dir, scheduler))
+            AsyncCheckpointer::new(FileCheckpointer::new(recorder, dir, &scheduler))
                 .with_interrupter(failures.clone()),
             Box::new(SaveEach),
         );
         Self {
             dir: dir.to_path_buf(),
+            run_id: run_id.map(str::to_string),
+            key,
             checkpointer,
             failures,
         }
     }
 
     /// Writes `learner` as step checkpoint `state.number`, reads it back (which waits for the
-    /// background writes and checks them), then writes `state`, and removes the step
-    /// checkpoints older than the one before. Returns the state's path.
+    /// background writes and checks them), then writes `state` with the records' SHA-256 (and
+    /// signed, with a key), and removes this run's step checkpoints older than the one before.
+    /// Returns the state's path.
     ///
     /// # Errors
-    /// [`DdpError::Checkpoint`] naming the file that could not be written or read back.
+    /// [`DdpError::Checkpoint`] naming the file that could not be written, read back, hashed or
+    /// deleted.
     pub fn save(
         &mut self,
         learner: &Learner<LC>,
@@ -550,9 +656,9 @@ impl<LC: LearningComponentsTypes> StepCheckpoints<LC> {
         device: &Device<TrainingBackend<LC>>,
     ) -> Result<PathBuf> {
         let number = state.number as usize;
-        let records = self
-            .dir
-            .join(format!("{}-{number}.mpk", StepState::RECORDS[0]));
+        let names = StepState::prefixes_of(self.run_id.as_deref())
+            .map(|prefix| format!("{prefix}-{number}.mpk"));
+        let records = self.dir.join(&names[0]);
         self.checkpointer.checkpoint(learner, number, store);
         let read_back = quietly(|| {
             self.checkpointer
@@ -569,16 +675,37 @@ impl<LC: LearningComponentsTypes> StepCheckpoints<LC> {
             path: records.display().to_string(),
             detail: format!("the step checkpoint was written but cannot be read back: {why}"),
         })?;
+        let mut state = state.clone();
+        state.records = names
+            .into_iter()
+            .map(|name| {
+                let path = self.dir.join(&name);
+                crate::checkpoint::file_sha256(&path)
+                    .map(|sha256| crate::checkpoint::RecordFile { name, sha256 })
+                    .map_err(|e| DdpError::Checkpoint {
+                        path: path.display().to_string(),
+                        detail: format!("the step checkpoint cannot be read back: {e}"),
+                    })
+            })
+            .collect::<Result<_>>()?;
+        if let Some(key) = &self.key {
+            state.sign(key);
+        }
         state.write(&self.dir)?;
         for older in StepState::list(&self.dir)
             .into_iter()
             .flatten()
-            .filter(|s| s.number < state.number)
+            .filter(|s| s.run_id == self.run_id && s.number < state.number)
             .skip(1)
         {
-            StepState::remove(&self.dir, older.number);
+            older.remove(&self.dir)?;
         }
-        Ok(StepState::path(&self.dir, state.number))
+        Ok(state.file_in(&self.dir))
+    }
+
+    /// The key that signs the run's state files, when the job has a token.
+    pub fn key(&self) -> Option<&crate::auth::CheckpointKey> {
+        self.key.as_ref()
     }
 
     /// `learner` with step checkpoint `number` loaded, or why it cannot be.

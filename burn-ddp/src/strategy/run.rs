@@ -106,6 +106,7 @@ where
                 restarted: self.restarted,
                 rank: first_rank,
                 world_size,
+                key: checkpoint_key(&run_id),
             },
         );
         let (learner, resume) = match resumed {
@@ -314,7 +315,9 @@ where
                         event_processor,
                         dataloader_valid: dataloader_valid.to_device(&device),
                         checkpointer,
-                        step_checkpoints: self.config.checkpoint_dir().map(StepCheckpoints::new),
+                        step_checkpoints: self.config.checkpoint_dir().map(|dir| {
+                            StepCheckpoints::new(dir, &start.run_id, checkpoint_key(&start.run_id))
+                        }),
                         early_stopping,
                         event_store,
                         items: receiver.take().unwrap_or_else(|| mpsc::channel().1),
@@ -393,4 +396,12 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
             group.abort(&err.to_string());
         }
     }
+}
+
+/// The key that signs the run's checkpoint state files: the job's, when it has a token
+/// (`BURN_DDP_JOB_TOKEN`, or the launcher's workers' key).
+pub(super) fn checkpoint_key(run_id: &str) -> Option<crate::auth::CheckpointKey> {
+    crate::auth::JobIdentity::from_env(run_id)
+        .ok()
+        .and_then(|job| job.checkpoint_key())
 }

@@ -506,7 +506,8 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         resume: Resume::No,
     };
     if !model.exact() {
-        // Enough epochs at a learning rate that learns (one device's loss falls too).
+        // Enough samples, epochs and a learning rate to learn (one device's loss falls too).
+        case.samples = case.samples.max(4 * case.global_batch);
         case.epochs = 4;
         case.opt = Opt::Adam;
         case.sched = Scheduler::Constant;
