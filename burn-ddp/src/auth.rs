@@ -228,7 +228,7 @@ impl JobIdentity {
     /// # Errors
     /// As [`new`](Self::new); the operating system's random source failing.
     pub fn for_launcher(may_generate: bool, master: &str) -> Result<Self> {
-        let token = std::env::var(JOB_TOKEN_VAR).ok().map(String::into_bytes);
+        let token = token_from_env()?;
         let run_id = match std::env::var(RUN_ID_VAR) {
             Ok(run_id) if !run_id.is_empty() => run_id,
             _ if may_generate => hex(&random::<8>()?),
@@ -250,12 +250,16 @@ impl JobIdentity {
     /// [`DdpError::InvalidConfig`] for a malformed `BURN_DDP_WORKER_KEY` or run id.
     pub fn from_env(fallback: &str) -> Result<Self> {
         let run_id = run_id_from_env().unwrap_or_else(|| fallback.to_string());
-        if let Ok(key) = std::env::var(WORKER_KEY_VAR) {
-            let key: [u8; 32] = unhex(&key).and_then(|k| k.try_into().ok()).ok_or_else(|| {
-                DdpError::InvalidConfig(format!(
-                    "{WORKER_KEY_VAR} must be 64 hexadecimal digits (burn-ddp run sets it)"
-                ))
-            })?;
+        if let Some(key) = std::env::var_os(WORKER_KEY_VAR) {
+            let key: [u8; 32] = key
+                .to_str()
+                .and_then(unhex)
+                .and_then(|k| k.try_into().ok())
+                .ok_or_else(|| {
+                    DdpError::InvalidConfig(format!(
+                        "{WORKER_KEY_VAR} must be 64 hexadecimal digits (burn-ddp run sets it)"
+                    ))
+                })?;
             check_run_id(&run_id)?;
             return Ok(Self {
                 run_id,
@@ -265,7 +269,7 @@ impl JobIdentity {
                 token: None,
             });
         }
-        let token = std::env::var(JOB_TOKEN_VAR).ok().map(String::into_bytes);
+        let token = token_from_env()?;
         Self::new(&run_id, token.as_deref())
     }
 
@@ -337,6 +341,39 @@ impl CheckpointKey {
                 .is_ok()
         })
     }
+}
+
+/// Bytes below which a job token is short: guessable by someone who can try tokens at the port.
+pub const MIN_TOKEN_BYTES: usize = 16;
+
+/// The job token of `BURN_DDP_JOB_TOKEN`, as its bytes, whatever they are (a token from
+/// `/dev/urandom` is no UTF-8); a warning when it is shorter than [`MIN_TOKEN_BYTES`].
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] naming the variable where the system's strings are not bytes
+/// (not on Unix) and it is no Unicode.
+fn token_from_env() -> Result<Option<Vec<u8>>> {
+    let Some(value) = std::env::var_os(JOB_TOKEN_VAR) else {
+        return Ok(None);
+    };
+    #[cfg(unix)]
+    let token = std::os::unix::ffi::OsStringExt::into_vec(value);
+    #[cfg(not(unix))]
+    let token = value.into_string().map(String::into_bytes).map_err(|_| {
+        DdpError::InvalidConfig(format!(
+            "{JOB_TOKEN_VAR} is not Unicode: give every process the same printable secret, e.g. \
+             `openssl rand -hex 32`"
+        ))
+    })?;
+    if !token.is_empty() && token.len() < MIN_TOKEN_BYTES {
+        crate::log::warn_console(&format!(
+            "{JOB_TOKEN_VAR} has {} bytes: a token of at least {MIN_TOKEN_BYTES} random bytes \
+             cannot be guessed at the job's ports; make one with \
+             `export {JOB_TOKEN_VAR}=$(openssl rand -hex 32)`",
+            token.len()
+        ));
+    }
+    Ok(Some(token))
 }
 
 /// The identity the unit tests' jobs share.
@@ -437,16 +474,40 @@ impl Timed<'_> {
         Ok(left)
     }
 
-    fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
-        let left = self.left()?;
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.read_exact(buf)
+    /// Reads `buf` whole by the deadline: the time left is set again before every read, so a
+    /// peer that sends a byte at a time cannot stretch the handshake past it.
+    fn read_exact(&mut self, mut buf: &mut [u8]) -> io::Result<()> {
+        while !buf.is_empty() {
+            let left = self.left()?;
+            self.stream.set_read_timeout(Some(left))?;
+            match self.stream.read(buf) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the peer closed the connection during the handshake",
+                    ));
+                }
+                Ok(n) => buf = &mut buf[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
-    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
-        let left = self.left()?;
-        self.stream.set_write_timeout(Some(left))?;
-        self.stream.write_all(buf)
+    /// Writes `buf` whole by the deadline (the time left set again before every write).
+    fn write_all(&mut self, mut buf: &[u8]) -> io::Result<()> {
+        while !buf.is_empty() {
+            let left = self.left()?;
+            self.stream.set_write_timeout(Some(left))?;
+            match self.stream.write(buf) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(n) => buf = &buf[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     fn byte(&mut self) -> io::Result<u8> {
@@ -808,6 +869,104 @@ mod tests {
             |s| connect(s, &launcher, Service::Store, Role::Worker, b"", WITHIN),
         );
         assert!(client.is_err());
+    }
+
+    #[test]
+    fn a_client_that_trickles_its_handshake_is_dropped_at_the_deadline() {
+        // A stranger sends a valid greeting, then a run id of 128 bytes one byte at a time, each
+        // well within the deadline: the deadline is for the whole handshake, not per read.
+        let job = JobIdentity::new("run-a", Some(b"secret")).unwrap();
+        let within = Duration::from_millis(600);
+        let (server, ()) = pair(
+            |s| {
+                let started = Instant::now();
+                let accepted = accept(s, &job, Service::Store, b"", within);
+                (accepted.is_err(), started.elapsed())
+            },
+            |s| {
+                let mut greeting = MAGIC.to_vec();
+                greeting.extend_from_slice(&[VERSION, Service::Store.code(), 0, 128]);
+                if s.write_all(&greeting).is_err() {
+                    return;
+                }
+                for _ in 0..8 {
+                    std::thread::sleep(Duration::from_millis(250));
+                    if s.write_all(b"x").is_err() {
+                        return;
+                    }
+                }
+            },
+        );
+        let (refused, took) = server;
+        assert!(refused);
+        assert!(
+            took < Duration::from_millis(1500),
+            "the server held the trickling client for {took:?} (deadline {within:?})"
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: std::env::var("BURN_DDP_FUZZ_CASES")
+                .ok()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(12),
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Past the magic: a valid greeting's start, then a service, a role and a run id
+        /// length that may be wrong (0, the limit, one past it, anything), a field cut short,
+        /// a nonce, context and MAC cut anywhere, sent whole or a byte at a time. The server
+        /// refuses within its deadline, never panics, and a member still gets in.
+        #[test]
+        fn mutated_handshakes_past_the_magic_are_refused_within_the_deadline(
+            service in proptest::prelude::prop_oneof![
+                proptest::prelude::Just(1u8),
+                proptest::prelude::any::<u8>()
+            ],
+            role in proptest::prelude::any::<u8>(),
+            length in proptest::prelude::prop_oneof![
+                proptest::prelude::Just(0u8),
+                proptest::prelude::Just(MAX_RUN_ID as u8),
+                proptest::prelude::Just(MAX_RUN_ID as u8 + 1),
+                proptest::prelude::any::<u8>()
+            ],
+            rest in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..160),
+            trickle in proptest::prelude::any::<bool>(),
+        ) {
+            let job = JobIdentity::new("run-a", Some(b"secret")).unwrap();
+            let within = Duration::from_millis(400);
+            let (server, ()) = pair(
+                |s| {
+                    let started = Instant::now();
+                    (accept(s, &job, Service::Store, b"", within).is_err(), started.elapsed())
+                },
+                |s| {
+                    let mut message = MAGIC.to_vec();
+                    message.extend_from_slice(&[VERSION, service, role, length]);
+                    message.extend_from_slice(&rest);
+                    if trickle {
+                        for byte in message.chunks(1).take(12) {
+                            std::thread::sleep(Duration::from_millis(40));
+                            if s.write_all(byte).is_err() {
+                                return;
+                            }
+                        }
+                    } else {
+                        let _ = s.write_all(&message);
+                    }
+                },
+            );
+            let (refused, took) = server;
+            proptest::prop_assert!(refused);
+            proptest::prop_assert!(took < Duration::from_millis(1200), "{:?}", took);
+            // The job goes on: a member is accepted.
+            let (server, client) = pair(
+                |s| accept(s, &job, Service::Store, b"", WITHIN),
+                |s| connect(s, &job, Service::Store, Role::Worker, b"", WITHIN),
+            );
+            proptest::prop_assert!(server.is_ok() && client.is_ok());
+        }
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub mod config;
 mod context;
 mod ddp;
 mod error;
+mod gate;
 pub mod group;
 pub mod hooks;
 mod launch;

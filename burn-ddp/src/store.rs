@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::auth::{self, JobIdentity, Role, Service};
 use crate::error::{DdpError, Result};
+use crate::gate::{Gate, Pass, RateLimited, printable};
 
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
@@ -46,12 +47,30 @@ const MAX_KEY: usize = 1 << 10;
 /// Largest value accepted (1 MiB: the largest burn-ddp stores is an address or NCCL's 128-byte
 /// id).
 const MAX_VALUE: usize = 1 << 20;
-/// Largest table (keys and values together: 64 MiB).
+/// Largest table (keys, values and each entry's bookkeeping together: 64 MiB).
 const MAX_TABLE: usize = 64 << 20;
+/// What an entry costs beyond its key's and value's bytes (the map's slot, two allocations), so
+/// that a table of tiny entries is bounded by the memory it takes.
+const ENTRY_OVERHEAD: usize = 96;
+/// Most keys the table holds (a job of the most ranks, 65,536, needs a few per rank and round;
+/// with their overhead they stay below `MAX_TABLE`).
+const MAX_ENTRIES: usize = 1 << 19;
+/// Most bytes of keys in one request.
+const MAX_REQUEST_KEY_BYTES: usize = 4 << 20;
+/// The longest a GET or WAIT parks a session: a client that waits longer asks again (and a
+/// client that left is noticed every [`ALIVE_EVERY`]).
+const MAX_WAIT: Duration = Duration::from_secs(600);
+/// How often a parked session looks whether its client is still there.
+const ALIVE_EVERY: Duration = Duration::from_secs(1);
 /// Most keys in one request.
-const MAX_KEYS: usize = 1 << 16;
+pub(crate) const MAX_KEYS: usize = 1 << 16;
 /// Connections at most in their handshake at once (more are closed at once).
 const MAX_HANDSHAKES: usize = 64;
+/// Connections in their handshake at once from one address (the job's ranks on one node share
+/// theirs; a client told "busy" tries again).
+const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
+/// At most one line of a kind of refusal in this long (with the count of those left out).
+const LOG_EVERY: Duration = Duration::from_secs(10);
 /// Connections served at most at once.
 const MAX_SESSIONS: usize = 4096;
 /// How long a connection has for its handshake.
@@ -65,11 +84,33 @@ pub(crate) const LAUNCHER_PREFIX: &str = "burn-ddp/launcher/";
 /// at, `MASTER_ADDR`).
 pub const STORE_BIND_VAR: &str = "BURN_DDP_STORE_BIND";
 
-/// The keys and values, and how many bytes they hold.
+/// The keys and values, and how many bytes they take.
 #[derive(Default)]
 struct Entries {
     map: HashMap<String, Vec<u8>>,
     bytes: usize,
+}
+
+impl Entries {
+    /// Books `key` holding `value_len` bytes (replacing what it held), unless the table would
+    /// grow past [`MAX_TABLE`] bytes or [`MAX_ENTRIES`] keys.
+    fn charge(&mut self, key: &str, value_len: usize) -> std::result::Result<(), String> {
+        let cost = |value: usize| key.len() + value + ENTRY_OVERHEAD;
+        let old = self.map.get(key).map(|v| cost(v.len()));
+        if old.is_none() && self.map.len() >= MAX_ENTRIES {
+            return Err(format!(
+                "the store holds at most {MAX_ENTRIES} keys; `{key}` would be one more"
+            ));
+        }
+        let bytes = self.bytes - old.unwrap_or(0) + cost(value_len);
+        if bytes > MAX_TABLE {
+            return Err(format!(
+                "the store holds at most {MAX_TABLE} bytes; setting `{key}` would make it {bytes}"
+            ));
+        }
+        self.bytes = bytes;
+        Ok(())
+    }
 }
 
 #[derive(Default)]
@@ -88,23 +129,22 @@ impl Table {
     /// Sets `key` to `value`, unless the table would grow past [`MAX_TABLE`].
     fn insert(&self, key: String, value: Vec<u8>) -> std::result::Result<(), String> {
         let mut entries = self.lock();
-        let old = entries.map.get(&key).map_or(0, |v| key.len() + v.len());
-        let bytes = entries.bytes - old + key.len() + value.len();
-        if bytes > MAX_TABLE {
-            return Err(format!(
-                "the store holds at most {MAX_TABLE} bytes; setting `{key}` would make it {bytes}"
-            ));
-        }
-        entries.bytes = bytes;
+        entries.charge(&key, value.len())?;
         entries.map.insert(key, value);
         drop(entries);
         self.changed.notify_all();
         Ok(())
     }
 
-    /// Waits until every key exists or `timeout` passes; returns the missing keys.
-    fn wait_for(&self, keys: &[String], timeout: Duration) -> Vec<String> {
-        let deadline = Instant::now().checked_add(timeout);
+    /// Waits until every key exists, `timeout` passes (at most [`MAX_WAIT`]) or `alive` says the
+    /// client left (asked every [`ALIVE_EVERY`]); returns the missing keys.
+    fn wait_for(
+        &self,
+        keys: &[String],
+        timeout: Duration,
+        alive: &mut dyn FnMut() -> bool,
+    ) -> Vec<String> {
+        let deadline = Instant::now() + timeout.min(MAX_WAIT);
         let mut entries = self.lock();
         loop {
             let missing: Vec<String> = keys
@@ -113,22 +153,20 @@ impl Table {
                 .cloned()
                 .collect();
             let now = Instant::now();
-            match deadline {
-                _ if missing.is_empty() => return missing,
-                Some(deadline) if now >= deadline => return missing,
-                Some(deadline) => {
-                    entries = self
-                        .changed
-                        .wait_timeout(entries, deadline - now)
-                        .unwrap_or_else(|poisoned| poisoned.into_inner())
-                        .0;
+            if missing.is_empty() || now >= deadline {
+                return missing;
+            }
+            entries = self
+                .changed
+                .wait_timeout(entries, (deadline - now).min(ALIVE_EVERY))
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+            if Instant::now() < deadline {
+                drop(entries);
+                if !alive() {
+                    return missing;
                 }
-                None => {
-                    entries = self
-                        .changed
-                        .wait(entries)
-                        .unwrap_or_else(|poisoned| poisoned.into_inner());
-                }
+                entries = self.lock();
             }
         }
     }
@@ -141,6 +179,9 @@ pub struct StoreServer {
     stop: Arc<AtomicBool>,
     accept: Option<thread::JoinHandle<()>>,
     job: Arc<JobIdentity>,
+    /// Connections being served.
+    #[cfg_attr(not(test), allow(dead_code))]
+    sessions: Arc<AtomicUsize>,
 }
 
 impl StoreServer {
@@ -173,11 +214,14 @@ impl StoreServer {
             .map_err(|e| store_error(&addr.to_string(), "bind", e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let job = Arc::new(job.clone());
+        let sessions = Arc::new(AtomicUsize::new(0));
         let served = Served {
             table: Arc::new(Table::default()),
             job: job.clone(),
-            handshaking: Arc::new(AtomicUsize::new(0)),
-            sessions: Arc::new(AtomicUsize::new(0)),
+            handshaking: Gate::new(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE),
+            refusals: Arc::new(Mutex::new(RateLimited::new(LOG_EVERY))),
+            sessions: sessions.clone(),
+            session_limit: session_limit(),
         };
         let accept_stop = stop.clone();
         let accept = thread::Builder::new()
@@ -190,6 +234,7 @@ impl StoreServer {
             stop,
             accept: Some(accept),
             job,
+            sessions,
         })
     }
 
@@ -201,6 +246,12 @@ impl StoreServer {
     /// The job whose processes it serves.
     pub fn job(&self) -> &JobIdentity {
         &self.job
+    }
+
+    /// Connections being served now (after their handshake).
+    #[cfg(test)]
+    fn sessions(&self) -> usize {
+        self.sessions.load(Ordering::Relaxed)
     }
 }
 
@@ -286,9 +337,47 @@ struct Served {
     table: Arc<Table>,
     job: Arc<JobIdentity>,
     /// Connections in their handshake.
-    handshaking: Arc<AtomicUsize>,
+    handshaking: Gate,
+    /// Refused handshakes and sessions: logged at most once per [`LOG_EVERY`].
+    refusals: Arc<Mutex<RateLimited>>,
     /// Connections being served.
     sessions: Arc<AtomicUsize>,
+    /// Connections served at most at once: [`MAX_SESSIONS`], fewer when the process may open
+    /// fewer files.
+    session_limit: usize,
+}
+
+/// Connections the store may serve at once: [`MAX_SESSIONS`], or half the files this process may
+/// open (`RLIMIT_NOFILE`, raised to its hard limit when it can be) less the handshakes', so the
+/// store never takes the descriptors training needs.
+fn session_limit() -> usize {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `getrlimit` and `setrlimit` read and write the one struct given.
+        let soft = unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+                return MAX_SESSIONS;
+            }
+            if limit.rlim_cur < limit.rlim_max {
+                let raised = libc::rlimit {
+                    rlim_cur: limit.rlim_max,
+                    rlim_max: limit.rlim_max,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                    limit.rlim_cur = limit.rlim_max;
+                }
+            }
+            limit.rlim_cur
+        };
+        let half = usize::try_from(soft / 2).unwrap_or(usize::MAX);
+        half.saturating_sub(MAX_HANDSHAKES).clamp(1, MAX_SESSIONS)
+    }
+    #[cfg(not(unix))]
+    MAX_SESSIONS
 }
 
 /// Decrements a counter when dropped.
@@ -311,23 +400,25 @@ fn take_slot(counter: &Arc<AtomicUsize>, limit: usize) -> Option<Slot> {
 }
 
 fn accept_loop(listener: TcpListener, served: Served, stop: Arc<AtomicBool>) {
-    let mut refused_warned = false;
+    let mut busy_log = RateLimited::new(LOG_EVERY);
     while !stop.load(Ordering::Relaxed) {
         match listener.accept() {
             Ok((mut stream, from)) => {
-                // Handshakes run off this loop, a bounded number at once: idle or slow
-                // connections cannot hold the door shut for the job's own processes (a client
-                // told "busy" tries again).
-                let Some(slot) = take_slot(&served.handshaking, MAX_HANDSHAKES) else {
-                    auth::refuse_busy(&mut stream);
-                    if !refused_warned {
-                        tracing::warn!(
-                            "burn-ddp: store: {MAX_HANDSHAKES} connections are already in their \
-                             handshake; closing more (from {from}) at once"
-                        );
-                        refused_warned = true;
+                // Handshakes run off this loop, a bounded number at once and from one address:
+                // idle or slow connections cannot hold the door shut for the job's own
+                // processes (a client told "busy" tries again).
+                let slot = match served.handshaking.enter(from.ip()) {
+                    Ok(slot) => slot,
+                    Err(full) => {
+                        auth::refuse_busy(&mut stream);
+                        if let Some(left_out) = busy_log.allow() {
+                            tracing::warn!(
+                                "burn-ddp: store: closing the connection from {from} at once: \
+                                 {full} ({left_out} more closed since the last such line)"
+                            );
+                        }
+                        continue;
                     }
-                    continue;
                 };
                 let served = served.clone();
                 let _ = thread::Builder::new()
@@ -338,7 +429,18 @@ fn accept_loop(listener: TcpListener, served: Served, stop: Arc<AtomicBool>) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 crate::net::wait_for_connection(&listener, Duration::from_millis(20));
             }
-            Err(_) => thread::sleep(Duration::from_millis(20)),
+            Err(e) => {
+                // Out of file descriptors (EMFILE, ENFILE) or another failure: named, at most
+                // once per LOG_EVERY, and tried again after a pause.
+                if let Some(left_out) = busy_log.allow() {
+                    tracing::error!(
+                        "burn-ddp: store: cannot accept connections: {e} ({left_out} more such \
+                         failures since the last line; out of file descriptors? the process's \
+                         limit is RLIMIT_NOFILE, `ulimit -n`)"
+                    );
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 }
@@ -346,7 +448,7 @@ fn accept_loop(listener: TcpListener, served: Served, stop: Arc<AtomicBool>) {
 /// Authenticates one client, then serves it until it disconnects. Dropping the [`StoreServer`]
 /// only stops accepting new clients: connected ones keep being served, so the process serving
 /// the store may finish its own rendezvous before the others have read the last keys.
-fn serve(mut stream: TcpStream, from: SocketAddr, handshake: Slot, served: &Served) {
+fn serve(mut stream: TcpStream, from: SocketAddr, handshake: Pass, served: &Served) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let accepted = auth::accept(
@@ -357,18 +459,25 @@ fn serve(mut stream: TcpStream, from: SocketAddr, handshake: Slot, served: &Serv
         HANDSHAKE_DEADLINE,
     );
     drop(handshake);
-    let role = match accepted {
-        Ok(accepted) => accepted.role,
-        Err(why) => {
-            tracing::warn!("burn-ddp: store: refused the connection from {from}: {why}");
-            return;
+    let refused = |why: &str| {
+        let allowed = served.refusals.lock().map_or(None, |mut l| l.allow());
+        if let Some(left_out) = allowed {
+            tracing::warn!(
+                "burn-ddp: store: refused the connection from {from}: {} ({left_out} more \
+                 refused since the last such line)",
+                printable(why)
+            );
         }
     };
-    let Some(_session) = take_slot(&served.sessions, MAX_SESSIONS) else {
-        tracing::warn!(
-            "burn-ddp: store: {MAX_SESSIONS} connections served already; closing {from}"
-        );
-        return;
+    let role = match accepted {
+        Ok(accepted) => accepted.role,
+        Err(why) => return refused(&why.to_string()),
+    };
+    let Some(_session) = take_slot(&served.sessions, served.session_limit) else {
+        return refused(&format!(
+            "{} connections are served already",
+            served.session_limit
+        ));
     };
     let _ = stream.set_write_timeout(Some(REQUEST_DEADLINE));
     while serve_one(&mut stream, &served.table, role).is_ok() {}
@@ -404,7 +513,9 @@ fn serve_one(stream: &mut TcpStream, table: &Table, role: Role) -> io::Result<()
             let key = read_string(stream, MAX_KEY)?;
             let timeout = Duration::from_millis(read_u64(stream)?);
             if table
-                .wait_for(std::slice::from_ref(&key), timeout)
+                .wait_for(std::slice::from_ref(&key), timeout, &mut || {
+                    still_there(stream)
+                })
                 .is_empty()
             {
                 let value = table.lock().map.get(&key).cloned().unwrap_or_default();
@@ -429,16 +540,23 @@ fn serve_one(stream: &mut TcpStream, table: &Table, role: Role) -> io::Result<()
                     .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
                     .unwrap_or(0);
                 let next = current.wrapping_add(delta);
-                if delta != 0 {
-                    let text = next.to_string().into_bytes();
-                    let old = entries.map.get(&key).map_or(0, |v| key.len() + v.len());
-                    entries.bytes = entries.bytes - old + key.len() + text.len();
-                    entries.map.insert(key, text);
+                let text = next.to_string().into_bytes();
+                let booked = match delta {
+                    0 => Ok(()),
+                    _ => entries.charge(&key, text.len()),
+                };
+                match booked {
+                    Ok(()) => {
+                        if delta != 0 {
+                            entries.map.insert(key, text);
+                        }
+                        drop(entries);
+                        table.changed.notify_all();
+                        reply.push(STATUS_OK);
+                        reply.extend_from_slice(&(next as u64).to_le_bytes());
+                    }
+                    Err(why) => reply = refused(&why),
                 }
-                drop(entries);
-                table.changed.notify_all();
-                reply.push(STATUS_OK);
-                reply.extend_from_slice(&(next as u64).to_le_bytes());
             }
         }
         OP_CHECK => {
@@ -450,7 +568,7 @@ fn serve_one(stream: &mut TcpStream, table: &Table, role: Role) -> io::Result<()
         OP_WAIT => {
             let keys = read_keys(stream)?;
             let timeout = Duration::from_millis(read_u64(stream)?);
-            let missing = table.wait_for(&keys, timeout);
+            let missing = table.wait_for(&keys, timeout, &mut || still_there(stream));
             if missing.is_empty() {
                 reply.push(STATUS_OK);
             } else {
@@ -466,6 +584,20 @@ fn serve_one(stream: &mut TcpStream, table: &Table, role: Role) -> io::Result<()
         }
     }
     stream.write_all(&reply)
+}
+
+/// Whether the client of a parked session is still connected (it sends nothing while it waits:
+/// a closed connection reads as the end of the stream).
+fn still_there(stream: &mut TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let there = match stream.peek(&mut [0u8; 1]) {
+        Ok(0) => false,
+        Ok(_) => true,
+        Err(e) => e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted,
+    };
+    stream.set_nonblocking(false).is_ok() && there
 }
 
 fn read_u8(r: &mut impl Read) -> io::Result<u8> {
@@ -511,7 +643,20 @@ fn read_keys(r: &mut impl Read) -> io::Result<Vec<String>> {
             format!("{count} keys in one request, more than {MAX_KEYS}"),
         ));
     }
-    (0..count).map(|_| read_string(r, MAX_KEY)).collect()
+    let mut total = 0;
+    (0..count)
+        .map(|_| {
+            let key = read_string(r, MAX_KEY)?;
+            total += key.len();
+            if total > MAX_REQUEST_KEY_BYTES {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("more than {MAX_REQUEST_KEY_BYTES} bytes of keys in one request"),
+                ));
+            }
+            Ok(key)
+        })
+        .collect()
 }
 
 /// Appends a length-prefixed field. Callers keep fields under [`MAX_VALUE`] (checked in
@@ -744,17 +889,25 @@ impl StoreClient {
     /// [`DdpError::Store`] naming the key when it is not set within `timeout`, or the store
     /// cannot be reached.
     pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        let mut request = vec![OP_GET];
-        put_bytes(&mut request, key.as_bytes());
-        request.extend_from_slice(&millis(timeout).to_le_bytes());
         let op = format!("get `{key}`");
-        match self.request(&op, &request, timeout)? {
-            (STATUS_OK, value) => Ok(value),
-            _ => Err(store_error(
-                &self.addr,
-                &op,
-                format!("not set within {} s", timeout.as_secs_f64()),
-            )),
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            // The store parks a request for at most MAX_WAIT: a longer wait asks again.
+            let left = deadline.map_or(MAX_WAIT, |d| d.saturating_duration_since(Instant::now()));
+            let mut request = vec![OP_GET];
+            put_bytes(&mut request, key.as_bytes());
+            request.extend_from_slice(&millis(left.min(MAX_WAIT)).to_le_bytes());
+            match self.request(&op, &request, left.min(MAX_WAIT))? {
+                (STATUS_OK, value) => return Ok(value),
+                _ if left > MAX_WAIT => {}
+                _ => {
+                    return Err(store_error(
+                        &self.addr,
+                        &op,
+                        format!("not set within {} s", timeout.as_secs_f64()),
+                    ));
+                }
+            }
         }
     }
 
@@ -792,10 +945,19 @@ impl StoreClient {
     /// # Errors
     /// [`DdpError::Store`] naming the keys still missing when `timeout` passes.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        let mut request = vec![OP_WAIT];
-        put_keys(&mut request, keys);
-        request.extend_from_slice(&millis(timeout).to_le_bytes());
-        match self.request("wait", &request, timeout)? {
+        let deadline = Instant::now().checked_add(timeout);
+        let outcome = loop {
+            // The store parks a request for at most MAX_WAIT: a longer wait asks again.
+            let left = deadline.map_or(MAX_WAIT, |d| d.saturating_duration_since(Instant::now()));
+            let mut request = vec![OP_WAIT];
+            put_keys(&mut request, keys);
+            request.extend_from_slice(&millis(left.min(MAX_WAIT)).to_le_bytes());
+            match self.request("wait", &request, left.min(MAX_WAIT))? {
+                (STATUS_TIMEOUT, _) if left > MAX_WAIT => {}
+                outcome => break outcome,
+            }
+        };
+        match outcome {
             (STATUS_OK, _) => Ok(()),
             (_, missing) => Err(store_error(
                 &self.addr,
@@ -1033,6 +1195,61 @@ mod tests {
         assert!(err.contains("not a burn-ddp rendezvous store"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(10));
         serving.join().unwrap();
+    }
+
+    #[test]
+    fn counters_count_against_the_table_and_the_table_bounds_its_keys() {
+        let full = server();
+        let c = client(&full);
+        // Fill the table with values of halving size until not even one byte more fits.
+        let mut size = MAX_VALUE;
+        let mut n = 0;
+        while size > 0 {
+            if c.set(&format!("fill-{n}"), &vec![0u8; size]).is_err() {
+                size /= 2;
+            }
+            n += 1;
+        }
+        // A new counter takes room too: refused, not added past the bound.
+        let err = c.add("counter", 1).unwrap_err().to_string();
+        assert!(err.contains("at most"), "{err}");
+        // A table of tiny entries is bounded by its count of keys, and counts what each entry
+        // costs beyond its bytes.
+        let mut entries = Entries::default();
+        for i in 0..MAX_ENTRIES {
+            let key = i.to_string();
+            entries.charge(&key, 1).unwrap();
+            entries.map.insert(key, vec![1]);
+        }
+        let err = entries.charge("one more", 1).unwrap_err();
+        assert!(err.contains("at most"), "{err}");
+        assert!(entries.bytes >= MAX_ENTRIES * ENTRY_OVERHEAD);
+        // Replacing a key's value costs no new key.
+        entries.charge("0", 2).unwrap();
+    }
+
+    #[test]
+    fn a_wait_without_end_from_a_client_that_left_frees_its_session() {
+        let server = server();
+        let c = client(&server);
+        {
+            // A member asks for a key nobody sets, with no end to the wait, and leaves.
+            let mut request = vec![OP_GET];
+            put_bytes(&mut request, b"never-set");
+            request.extend_from_slice(&u64::MAX.to_le_bytes());
+            let mut stream = c
+                .stream
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            stream.write_all(&request).unwrap();
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        drop(c);
+        let started = Instant::now();
+        while server.sessions() > 0 && started.elapsed() < Duration::from_secs(10) {
+            thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(server.sessions(), 0, "the parked session was not freed");
     }
 
     #[test]

@@ -49,9 +49,10 @@ pub enum TopologySource {
     OpenMpi,
 }
 
-/// The most processes a job may have (a bound on what a malformed `WORLD_SIZE` makes the
-/// rendezvous allocate).
-pub const MAX_WORLD_SIZE: usize = 1 << 20;
+/// The most processes a job may have: what the rendezvous store checks in one request (a bound
+/// on what a malformed `WORLD_SIZE` makes the rendezvous allocate, and a size named at start-up
+/// rather than a store that stops answering).
+pub const MAX_WORLD_SIZE: usize = crate::store::MAX_KEYS;
 
 /// This process's place in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -463,6 +464,9 @@ mod tests {
                 .contains("LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2")
         );
         assert!(message(&with("MASTER_PORT", "70000")).contains("MASTER_PORT=\"70000\""));
+        // A world the store cannot serve in one request is named at start-up (not "the store
+        // stopped answering" at the rendezvous).
+        assert!(message(&with("WORLD_SIZE", "65537")).contains("WORLD_SIZE=65537"));
         assert!(
             message(&[
                 ("SLURM_PROCID", "0"),

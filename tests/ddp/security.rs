@@ -524,3 +524,99 @@ fn a_step_checkpoint_whose_record_was_swapped_is_not_resumed() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_token_of_raw_bytes_is_a_token() {
+    // `export BURN_DDP_JOB_TOKEN=$(head -c 32 /dev/urandom)`: bytes that are no UTF-8. The job
+    // is authenticated with them: a process without the token is refused.
+    use std::os::unix::ffi::OsStrExt;
+    let token: Vec<u8> = (0..32u8)
+        .map(|i| 0x80 | i.wrapping_mul(37))
+        .filter(|b| *b != 0)
+        .collect();
+    let out = scratch("raw-token");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let spawn = |rank: usize, token: Option<&[u8]>| {
+        let mut command = Command::new(WORKER);
+        with_test_job(clean_env(&mut command));
+        match token {
+            Some(token) => command.env(
+                burn_ddp::mechanism::auth::JOB_TOKEN_VAR,
+                std::ffi::OsStr::from_bytes(token),
+            ),
+            None => command.env_remove(burn_ddp::mechanism::auth::JOB_TOKEN_VAR),
+        };
+        command
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .args(["--timeout-s", "30", "--model", "mlp", "--out"])
+            .arg(out.join("trained.bin"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let rank0 = spawn(0, Some(&token));
+    let intruder = finish_within(spawn(1, None), Duration::from_secs(120), "the intruder");
+    assert_ne!(intruder.code, Some(0), "{}", intruder.stderr);
+    assert!(
+        intruder.stderr.contains("authentication failed"),
+        "{}",
+        intruder.stderr
+    );
+    let rank1 = spawn(1, Some(&token));
+    let a = finish_within(rank0, Duration::from_secs(120), "rank 0");
+    let b = finish_within(rank1, Duration::from_secs(120), "rank 1");
+    assert_eq!(a.code, Some(0), "{}", a.stderr);
+    assert_eq!(b.code, Some(0), "{}", b.stderr);
+    let _ = std::fs::remove_dir_all(out);
+}
+
+#[test]
+fn every_rank_of_a_job_without_token_or_run_id_is_told_what_keeps_jobs_apart() {
+    // Two processes started by hand with nothing of their own: their run id comes from the
+    // store's address, which another job started there would share.
+    let out = scratch("open-job");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let spawn = |rank: usize| {
+        clean_env(&mut Command::new(WORKER))
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .args(["--timeout-s", "30", "--model", "mlp", "--out"])
+            .arg(out.join("trained.bin"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (rank0, rank1) = (spawn(0), spawn(1));
+    let a = finish_within(rank0, Duration::from_secs(120), "rank 0");
+    let b = finish_within(rank1, Duration::from_secs(120), "rank 1");
+    assert_eq!(
+        (a.code, b.code),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        a.stderr,
+        b.stderr
+    );
+    for (rank, stderr) in [(0, &a.stderr), (1, &b.stderr)] {
+        assert!(
+            stderr.contains("BURN_DDP_JOB_TOKEN") && stderr.contains("BURN_DDP_RUN_ID"),
+            "rank {rank}: {stderr}"
+        );
+        assert!(stderr.contains("tcp-127.0.0.1:"), "rank {rank}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(out);
+}

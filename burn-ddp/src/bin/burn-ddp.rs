@@ -56,6 +56,10 @@ enum Command {
         /// stopped by SIGTERM/SIGINT (then SIGKILL).
         #[arg(long, default_value_t = 60.0)]
         stop_grace: f64,
+        /// Run a job of several nodes without BURN_DDP_JOB_TOKEN (anyone who reaches the store's
+        /// port could join it): only on a network you trust.
+        #[arg(long)]
+        allow_no_token: bool,
         /// The worker program and its arguments, after `--`.
         #[arg(last = true, required = true)]
         command: Vec<String>,
@@ -73,6 +77,7 @@ fn main() -> ExitCode {
         log_dir,
         kill_grace,
         stop_grace,
+        allow_no_token,
         command,
     } = Cli::parse().command;
     let seconds = |s: f64, default: u64| {
@@ -94,6 +99,7 @@ fn main() -> ExitCode {
         log_dir,
         kill_grace: seconds(kill_grace, 5),
         stop_grace: seconds(stop_grace, 60),
+        allow_no_token,
         ..LaunchConfig::new(nproc_per_node, program, args)
     };
     match launch(&config) {

@@ -54,6 +54,10 @@ pub struct LaunchConfig {
     /// The job's identity (run id and token); `None` (the default): [`LaunchConfig::job`] makes
     /// it from the environment.
     pub job: Option<JobIdentity>,
+    /// Run a job of several nodes without a job token (`--allow-no-token`). Off by default: the
+    /// job's keys would derive from public values, and anyone who reaches the store's port could
+    /// join it or start a restart round.
+    pub allow_no_token: bool,
 }
 
 impl LaunchConfig {
@@ -73,12 +77,14 @@ impl LaunchConfig {
             args,
             env: Vec::new(),
             job: None,
+            allow_no_token: false,
         }
     }
 
-    /// Number of workers in the whole job.
+    /// Number of workers in the whole job (`usize::MAX` when it overflows: refused by
+    /// [`launch`]).
     pub fn world_size(&self) -> usize {
-        self.nnodes * self.nproc_per_node
+        self.nnodes.saturating_mul(self.nproc_per_node)
     }
 
     /// The job's identity: [`LaunchConfig::job`] when set, else `BURN_DDP_JOB_TOKEN` and
@@ -110,6 +116,17 @@ impl LaunchConfig {
             return Err(DdpError::InvalidConfig(format!(
                 "--node-rank {} is not below --nnodes {}",
                 self.node_rank, self.nnodes
+            )));
+        }
+        let most = crate::topology::MAX_WORLD_SIZE;
+        if self
+            .nnodes
+            .checked_mul(self.nproc_per_node)
+            .is_none_or(|n| n > most)
+        {
+            return Err(DdpError::InvalidConfig(format!(
+                "--nnodes {} x --nproc-per-node {} workers: a job has at most {most}",
+                self.nnodes, self.nproc_per_node
             )));
         }
         if self.master_port == 0 && self.node_rank != 0 {
@@ -218,6 +235,7 @@ impl AttemptOutcome {
 pub fn launch(config: &LaunchConfig) -> Result<Vec<AttemptOutcome>> {
     config.validate()?;
     let job = config.job()?;
+    check_secret(config, &job)?;
     // Node 0 serves the store for the whole job, restarts included (port 0: any free port, which
     // then goes to the workers), on the address the store is reached at.
     let server = if config.node_rank == 0 {
@@ -247,7 +265,27 @@ pub fn launch_with_store(
         )));
     }
     let job = server.job().clone();
+    check_secret(config, &job)?;
     run_job(config, Some(server), job)
+}
+
+/// A job of several nodes needs a token, unless [`LaunchConfig::allow_no_token`]: without one
+/// its keys derive from public values (a constant and a run id anyone can read), so anyone who
+/// reaches the store's port could join it or start a restart round.
+///
+/// # Errors
+/// [`DdpError::InvalidConfig`] saying how to make and give a token, or to opt out.
+fn check_secret(config: &LaunchConfig, job: &JobIdentity) -> Result<()> {
+    if config.nnodes > 1 && job.secret() == Secret::None && !config.allow_no_token {
+        return Err(DdpError::InvalidConfig(format!(
+            "a job of {} nodes without a job token: anyone who reaches port {} of {} could join \
+             it; give every node's launcher the same secret (`export \
+             {JOB_TOKEN_VAR}=$(openssl rand -hex 32)` once, then that value on every node), or \
+             run it open on a network you trust with --allow-no-token",
+            config.nnodes, config.master_port, config.master_addr
+        )));
+    }
+    Ok(())
 }
 
 fn run_job(
@@ -559,6 +597,52 @@ mod tests {
             ..LaunchConfig::new(1, "/nonexistent/program", Vec::new())
         };
         assert!(matches!(launch(&config), Err(DdpError::Launch(_))));
+    }
+
+    #[test]
+    fn several_nodes_without_a_token_are_refused_unless_allowed_and_sizes_cannot_overflow() {
+        // Node 1 of two, without a token: its keys would derive from public values.
+        let mut config = sh("true", 1);
+        config.nnodes = 2;
+        config.node_rank = 1;
+        config.master_port = 1;
+        config.job = Some(JobIdentity::new("two-nodes", None).unwrap());
+        match launch(&config) {
+            Err(DdpError::InvalidConfig(message)) => {
+                assert!(message.contains(JOB_TOKEN_VAR), "{message}");
+                assert!(message.contains("--allow-no-token"), "{message}");
+            }
+            other => panic!("expected the refusal, got {other:?}"),
+        }
+        // A world size that overflows, or that the store cannot serve, is named.
+        let mut huge = sh("true", usize::MAX / 2 + 1);
+        huge.nnodes = 2;
+        match launch(&huge) {
+            Err(DdpError::InvalidConfig(message)) => {
+                assert!(message.contains("--nnodes"), "{message}")
+            }
+            other => panic!("expected the refusal, got {other:?}"),
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_worker_whose_launcher_is_gone_before_the_death_signal_is_armed_does_not_start() {
+        use std::os::unix::process::CommandExt;
+        // The parent a worker would see if its launcher had died: not the launcher.
+        let start = |launcher: libc::pid_t| {
+            let mut command = std::process::Command::new("/bin/true");
+            // SAFETY: as in `supervise`: async-signal-safe calls only.
+            unsafe {
+                command.pre_exec(move || supervise::arm_parent_death(launcher));
+            }
+            command.status()
+        };
+        assert!(start(std::process::id() as libc::pid_t).is_ok_and(|s| s.success()));
+        // SAFETY: `getppid` has no preconditions.
+        let not_the_launcher = unsafe { libc::getppid() };
+        let err = start(not_the_launcher).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ESRCH), "{err}");
     }
 
     fn tempfile_dir() -> PathBuf {

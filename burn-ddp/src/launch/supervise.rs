@@ -103,14 +103,15 @@ pub(super) fn run_attempt(
             // open; the terminal's Ctrl-C reaches the launcher, which stops the groups.
             std::os::unix::process::CommandExt::process_group(&mut command, 0);
             #[cfg(target_os = "linux")]
-            // SAFETY: `prctl` is async-signal-safe and only sets a flag of the new process; the
-            // closure touches no memory of the parent.
-            unsafe {
-                std::os::unix::process::CommandExt::pre_exec(&mut command, || {
-                    // If the launcher dies (even by SIGKILL), the worker gets SIGTERM.
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                    Ok(())
-                });
+            {
+                let launcher = std::process::id() as libc::pid_t;
+                // SAFETY: `arm_parent_death` calls only async-signal-safe functions (`prctl`,
+                // `getppid`) and touches no memory of the parent.
+                unsafe {
+                    std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
+                        arm_parent_death(launcher)
+                    });
+                }
             }
         }
         let mut child = match command.spawn() {
@@ -322,4 +323,25 @@ fn signal_group(child: &Child, signal: Signal) {
 #[cfg(not(unix))]
 fn signal_group(child: &Child, _signal: Signal) {
     let _ = child;
+}
+
+/// In a worker between fork and exec: SIGTERM when the launcher (`launcher`, its parent) dies,
+/// even by SIGKILL. A launcher that died before the signal was armed has left the worker to
+/// another parent already, which no signal would tell: the exec is then abandoned (`ESRCH`), so
+/// no worker outlives its launcher unseen.
+///
+/// # Errors
+/// `prctl`'s error; `ESRCH` when the parent is no longer `launcher`.
+#[cfg(target_os = "linux")]
+pub(super) fn arm_parent_death(launcher: libc::pid_t) -> std::io::Result<()> {
+    // SAFETY: `prctl(PR_SET_PDEATHSIG)` and `getppid` are async-signal-safe system calls.
+    unsafe {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::getppid() != launcher {
+            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+        }
+    }
+    Ok(())
 }

@@ -221,19 +221,8 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
         let device = local_device(&devices, topology.rank, topology.local_rank)?;
         let group = crate::group::TcpGroup::connect(&topology, options)?;
         crate::context::set_process(topology.rank, topology.world_size);
+        // Without a job token, `TcpGroup::connect` warned on every rank before the group formed.
         let job = group.rendezvous().map(|r| r.job.clone());
-        if let Some(job) = &job
-            && job.secret() == crate::auth::Secret::None
-            && topology.rank == 0
-        {
-            crate::log::warn_console(&format!(
-                "no job token ({}): the rendezvous store at {} accepts any process that reaches \
-                 its port; set it to the same secret on every process of the job (burn-ddp run \
-                 makes one by itself)",
-                crate::auth::JOB_TOKEN_VAR,
-                crate::store::host_port(&topology.master_addr, topology.master_port)
-            ));
-        }
         let mut strategy = Self::with_process_group(device, Arc::new(group));
         strategy.restarted = topology.restart_count > 0;
         if let Some(job) = job {

@@ -17,6 +17,8 @@ use crate::topology::Topology;
 
 /// Connections at most in their handshake at once (more are closed at once).
 const MAX_HANDSHAKES: usize = 32;
+/// Connections in their handshake at once from one address (a peer told "busy" tries again).
+const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
 
 /// Options of [`TcpGroup::connect`].
 #[derive(Debug, Clone)]
@@ -75,6 +77,35 @@ pub(crate) fn default_run_id(topology: &Topology) -> String {
     )
 }
 
+/// Before the group forms, on every rank: a job without a secret is open to anyone who reaches
+/// its ports, and one without a run id of its own (derived from the store's address) is not kept
+/// apart from another job started by hand on the same address either.
+fn warn_if_open(job: &JobIdentity, topology: &Topology, from_env: bool) {
+    if job.secret() != crate::auth::Secret::None {
+        return;
+    }
+    let store = crate::store::host_port(&topology.master_addr, topology.master_port);
+    let named = !from_env || crate::auth::run_id_from_env().is_some();
+    crate::log::warn_console(&format!(
+        "rank {}: no job token ({}): the rendezvous store at {store} and this rank's port accept \
+         any process that reaches them{}; set {} to the same secret on every process of the job \
+         (`openssl rand -hex 32`; burn-ddp run makes one by itself on one node)",
+        topology.rank,
+        crate::auth::JOB_TOKEN_VAR,
+        if named {
+            String::new()
+        } else {
+            format!(
+                ", and the run id `{}` comes from that address alone, so another job started by \
+                 hand there is taken for this one (set {} too)",
+                job.run_id(),
+                crate::auth::RUN_ID_VAR
+            )
+        },
+        crate::auth::JOB_TOKEN_VAR,
+    ));
+}
+
 impl TcpGroup {
     /// Joins the job described by the environment (see [`Topology::from_env`]).
     ///
@@ -128,6 +159,7 @@ impl TcpGroup {
             Some(job) => job.clone(),
             None => JobIdentity::from_env(&default_run_id(topology))?,
         };
+        warn_if_open(&job, topology, options.job.is_none());
         let mut listening = None;
         let rendezvous = rendezvous(topology, options.connect_timeout, &job, |store_ip| {
             let ip = interface.unwrap_or(store_ip);
@@ -250,14 +282,14 @@ impl TcpGroup {
                 addr: listen_addr.clone(),
                 detail: e.to_string(),
             })?;
-        let mut refused: Vec<String> = Vec::new();
+        let mut refusals = crate::gate::RateLimited::new(std::time::Duration::from_secs(10));
         let abort_key = Self::abort_key(&rendezvous);
         let mut abort_polled = Instant::now();
         // Handshakes run on threads of their own, a bounded number at once, so a connection
         // that stays silent (or sends garbage) cannot hold this loop from the real ranks.
         type Shaken = (SocketAddr, TcpStream, std::result::Result<usize, String>);
         let (shaken_tx, shaken_rx) = std::sync::mpsc::channel::<Shaken>();
-        let handshaking = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let gate = crate::gate::Gate::new(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE);
         while peers.iter().skip(rank + 1).any(Option::is_none) {
             while let Ok((from, stream, verdict)) = shaken_rx.try_recv() {
                 match verdict.and_then(|peer| {
@@ -281,8 +313,13 @@ impl TcpGroup {
                         })?);
                     }
                     Err(why) => {
-                        tracing::warn!("burn-ddp: rank {rank}: refused a connection: {why}");
-                        refused.push(why);
+                        if let Some(left_out) = refusals.allow() {
+                            tracing::warn!(
+                                "burn-ddp: rank {rank}: refused a connection: {} ({left_out} \
+                                 more refused since the last such line)",
+                                crate::gate::printable(&why)
+                            );
+                        }
                     }
                 }
             }
@@ -291,18 +328,11 @@ impl TcpGroup {
             }
             match listener.accept() {
                 Ok((mut stream, from)) => {
-                    use std::sync::atomic::Ordering;
-                    if handshaking.fetch_add(1, Ordering::Relaxed) >= MAX_HANDSHAKES {
-                        handshaking.fetch_sub(1, Ordering::Relaxed);
+                    let Ok(pass) = gate.enter(from.ip()) else {
                         auth::refuse_busy(&mut stream);
                         continue;
-                    }
-                    let (job, mine, tx, count) = (
-                        job.clone(),
-                        mine.clone(),
-                        shaken_tx.clone(),
-                        handshaking.clone(),
-                    );
+                    };
+                    let (job, mine, tx) = (job.clone(), mine.clone(), shaken_tx.clone());
                     let restart = topology.restart_count;
                     let spawned =
                         std::thread::Builder::new()
@@ -331,12 +361,11 @@ impl TcpGroup {
                                          {rank} has world size {world_size} round {restart}"
                                     )),
                                 });
-                                count.fetch_sub(1, Ordering::Relaxed);
+                                drop(pass);
                                 let _ = tx.send((from, stream, verdict));
                             });
-                    if spawned.is_err() {
-                        handshaking.fetch_sub(1, Ordering::Relaxed);
-                    }
+                    // A handshake thread that cannot start gives its slot back as it drops.
+                    drop(spawned);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     // A higher rank that cannot reach this one says so in the store.
