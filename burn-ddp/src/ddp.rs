@@ -221,12 +221,12 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
                 })
             }
             NonFinite::SkipStep | NonFinite::Ignore => {
-                tracing::warn!(
-                    "burn-ddp: rank {}: gradient synchronisation #{} skipped: the gradients are \
+                crate::log::warn_console(&format!(
+                    "rank {}: gradient synchronisation #{} skipped: the gradients are \
                      not finite",
                     self.rank(),
                     self.syncs - 1
-                );
+                ));
                 Ok(GradientsParams::new())
             }
         }

@@ -226,6 +226,18 @@ pub enum DdpError {
         waited: Duration,
     },
 
+    /// A rank's device failed to run the work queued on it (`Backend::sync` reported an
+    /// execution error: a kernel that failed, a lost device).
+    #[error("rank {rank}: the device failed while {operation}: {detail}")]
+    Device {
+        /// The rank whose device failed.
+        rank: usize,
+        /// What the rank was waiting for (`the step's forward and backward passes`).
+        operation: String,
+        /// The backend's error.
+        detail: String,
+    },
+
     /// A gradient or bucket did not have the shape, length or type the layout expects.
     #[error("rank {rank}: bucket {bucket}: {detail}")]
     Bucket {
@@ -369,6 +381,7 @@ impl DdpError {
             | DdpError::WorkerPanicked { rank, .. }
             | DdpError::Unresponsive { rank, .. }
             | DdpError::Bucket { rank, .. }
+            | DdpError::Device { rank, .. }
             | DdpError::Rendezvous { rank, .. }
             | DdpError::Connect { rank, .. }
             | DdpError::WorkerExited { rank, .. }

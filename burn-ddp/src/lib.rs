@@ -93,4 +93,6 @@ mod documentation {
     struct Semantics;
     #[doc = include_str!("../../docs/troubleshooting.md")]
     struct Troubleshooting;
+    #[doc = include_str!("../../docs/wgpu.md")]
+    struct Wgpu;
 }

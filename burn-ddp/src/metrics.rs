@@ -34,9 +34,28 @@ pub struct CommStats {
     /// Steps at which the trainable tensors changed on every rank (a layer frozen or unfrozen)
     /// and the buckets were rebuilt.
     pub layout_changes: u64,
+    /// Moves of gradient data from the device to the host: on the host groups (threads, TCP,
+    /// MPI) one per gradient on Burn's CPU backends (a copy in memory) and one per bucket on
+    /// every other backend (wgpu: the bucket concatenated on the device); with NCCL none but
+    /// one small read of the flags and checks per phase.
+    pub transfers_to_host: u64,
+    /// Moves of gradient data from the host to the device (as [`transfers_to_host`]).
+    ///
+    /// [`transfers_to_host`]: Self::transfers_to_host
+    pub transfers_to_device: u64,
 }
 
 impl CommStats {
+    /// Transfers to the host and to the device per step, averaged over [`steps`](Self::steps)
+    /// (`(0, 0)` before the first step).
+    pub fn transfers_per_step(&self) -> (f64, f64) {
+        let steps = self.steps.max(1) as f64;
+        (
+            self.transfers_to_host as f64 / steps,
+            self.transfers_to_device as f64 / steps,
+        )
+    }
+
     /// Total time in gradient synchronisation: flatten + all-reduce + unflatten.
     pub fn total(&self) -> Duration {
         self.flatten + self.all_reduce + self.unflatten
@@ -113,7 +132,7 @@ pub struct RankReport {
 
 impl RankReport {
     /// Words of [`to_words`](Self::to_words).
-    pub(crate) const WORDS: usize = 25;
+    pub(crate) const WORDS: usize = 27;
 
     /// The report as fixed-length words, for gathering every process's report on rank 0.
     pub(crate) fn to_words(&self) -> Vec<u64> {
@@ -145,6 +164,8 @@ impl RankReport {
             self.peak_memory.unwrap_or(u64::MAX),
             self.optimizer_state.unwrap_or(u64::MAX),
             self.device_memory.unwrap_or(u64::MAX),
+            c.transfers_to_host,
+            c.transfers_to_device,
         ]
     }
 
@@ -172,6 +193,8 @@ impl RankReport {
                 unflatten: d(w[13]),
                 uncompressed_buckets: w[14],
                 layout_changes: w[15],
+                transfers_to_host: w[25],
+                transfers_to_device: w[26],
             },
             sync: SyncTimes {
                 count: w[16],
@@ -274,7 +297,8 @@ impl fmt::Display for TrainingReport {
             writeln!(
                 f,
                 "          utilization {:.0}%, synchronisation median {:.1?}, p90 {:.1?}, max \
-                 {:.1?}, {} spike(s) over {}x the median, peak memory {}",
+                 {:.1?}, {} spike(s) over {}x the median, peak memory {}, transfers per step \
+                 {:.1} to the host, {:.1} to the device",
                 100.0 * r.utilization(),
                 r.sync.median,
                 r.sync.p90,
@@ -282,6 +306,8 @@ impl fmt::Display for TrainingReport {
                 r.sync.spikes,
                 r.sync.spike_factor,
                 r.peak_memory.map_or("unknown".to_string(), mib),
+                r.comm.transfers_per_step().0,
+                r.comm.transfers_per_step().1,
             )?;
             if let Some(bytes) = r.optimizer_state {
                 writeln!(f, "          optimizer state (its share) {}", mib(bytes))?;
@@ -476,6 +502,8 @@ mod tests {
                 unflatten: ms(11),
                 uncompressed_buckets: 2,
                 layout_changes: 1,
+                transfers_to_host: 80,
+                transfers_to_device: 79,
             },
             sync: SyncTimes {
                 count: 40,

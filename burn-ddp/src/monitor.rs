@@ -62,8 +62,10 @@ impl SyncWatch {
             if spike {
                 self.spikes += 1;
                 if self.spikes <= WARNINGS {
-                    tracing::warn!(
-                        "burn-ddp: rank {rank}: gradient synchronisation #{step} took {took:.1?}, \
+                    // To the console as well as to `tracing` (burn-train sends `tracing` to
+                    // its experiment.log only): the docs promise the user sees these.
+                    crate::log::warn_console(&format!(
+                        "rank {rank}: gradient synchronisation #{step} took {took:.1?}, \
                          {:.1}x the median of the last {} ({median:.1?}): congestion or a slow \
                          rank{}",
                         took.as_secs_f64() / median.as_secs_f64().max(f64::MIN_POSITIVE),
@@ -73,7 +75,7 @@ impl SyncWatch {
                         } else {
                             ""
                         }
-                    );
+                    ));
                 }
             }
             spike

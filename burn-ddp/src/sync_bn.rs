@@ -60,7 +60,12 @@ fn current() -> Option<(Arc<dyn ProcessGroup>, Duration)> {
 
 /// Sums a 1-D float tensor over the ranks of the current process group, on the host.
 #[cfg_attr(
-    not(any(feature = "ndarray", feature = "flex", feature = "cuda")),
+    not(any(
+        feature = "ndarray",
+        feature = "flex",
+        feature = "cuda",
+        feature = "wgpu"
+    )),
     allow(dead_code)
 )]
 fn host_sync_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
@@ -93,7 +98,12 @@ pub trait SyncBatchNormBackend: Backend {
 }
 
 #[cfg_attr(
-    not(any(feature = "ndarray", feature = "flex", feature = "cuda")),
+    not(any(
+        feature = "ndarray",
+        feature = "flex",
+        feature = "cuda",
+        feature = "wgpu"
+    )),
     allow(unused_macros)
 )]
 macro_rules! host_backend {
@@ -112,6 +122,8 @@ host_backend!(burn::backend::NdArray);
 host_backend!(burn::backend::Flex);
 #[cfg(feature = "cuda")]
 host_backend!(burn::backend::Cuda);
+#[cfg(feature = "wgpu")]
+host_backend!(burn::backend::Wgpu);
 
 /// The backward step of [`SyncBatchNormBackend::sync_sum`]: the gradient of a sum over ranks is
 /// the sum over ranks of the gradients.

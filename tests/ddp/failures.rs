@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use burn::backend::NdArray;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
+use burn_ddp_tests::TestInner;
 
 use burn::optim::SgdConfig;
 
@@ -289,7 +289,7 @@ fn plain_launch_panics_with_the_error_message() {
     );
 }
 
-fn valid_loader() -> Arc<dyn DataLoader<NdArray, Batch<NdArray>>> {
+fn valid_loader() -> Arc<dyn DataLoader<TestInner, Batch<TestInner>>> {
     burn::data::dataloader::DataLoaderBuilder::new(ItemBatcher)
         .batch_size(4)
         .build(burn::data::dataset::InMemDataset::new(synthetic_dataset(

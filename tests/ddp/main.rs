@@ -20,3 +20,5 @@ mod security;
 mod semantics;
 mod sharding;
 mod short_batches;
+#[cfg(feature = "wgpu")]
+mod wgpu;

@@ -389,25 +389,26 @@ fn a_loader_built_for_another_world_size_or_padding_validation_is_refused() {
     let plain = DataLoaderBuilder::new(ItemBatcher)
         .batch_size(8)
         .build(InMemDataset::new(items.clone()));
-    let launch =
-        |train: Arc<dyn DataLoader<TestBackend, burn_ddp_tests::Batch<TestBackend>>>,
-         valid: Arc<dyn DataLoader<NdArray, burn_ddp_tests::Batch<NdArray>>>| {
-            let learner = Learner::new(
-                materialized(Mlp::new(&device())),
-                SgdConfig::new().init(),
-                0.05,
-            );
-            SupervisedTraining::new(
-                std::env::temp_dir().join(format!("burn-ddp-tests-refused-{}", std::process::id())),
-                train,
-                valid,
-            )
-            .renderer(SilentRenderer)
-            .with_metric_logger(InMemoryMetricLogger::new())
-            .with_application_logger(None)
-            .launch_ddp(learner, DdpStrategy::new(vec![device(); 2]))
-            .map(|_| ())
-        };
+    let launch = |train: Arc<dyn DataLoader<TestBackend, burn_ddp_tests::Batch<TestBackend>>>,
+                  valid: Arc<
+        dyn DataLoader<burn_ddp_tests::TestInner, burn_ddp_tests::Batch<burn_ddp_tests::TestInner>>,
+    >| {
+        let learner = Learner::new(
+            materialized(Mlp::new(&device())),
+            SgdConfig::new().init(),
+            0.05,
+        );
+        SupervisedTraining::new(
+            std::env::temp_dir().join(format!("burn-ddp-tests-refused-{}", std::process::id())),
+            train,
+            valid,
+        )
+        .renderer(SilentRenderer)
+        .with_metric_logger(InMemoryMetricLogger::new())
+        .with_application_logger(None)
+        .launch_ddp(learner, DdpStrategy::new(vec![device(); 2]))
+        .map(|_| ())
+    };
     // Built for 3 replicas, trained on 2: every rank would take a third of the data.
     let train3 = Arc::new(
         DistributedDataLoader::new(

@@ -1,13 +1,22 @@
 //! The synthetic data of the tests: a small classification dataset (16 features, 4 classes), its batcher, synthetic Fashion-MNIST-shaped images, and the test backend and device.
 
-use burn::backend::{Autodiff, NdArray};
+use burn::backend::Autodiff;
 
 use burn::data::dataloader::batcher::Batcher;
 
 use burn::prelude::*;
 
-/// The test backend: CPU, one thread per replica.
-pub type TestBackend = Autodiff<NdArray>;
+/// The test backend's inner backend: NdArray on the CPU, one thread per replica; with the
+/// `wgpu` feature, Burn's wgpu backend (the suite that runs on a Vulkan device).
+#[cfg(not(feature = "wgpu"))]
+pub type TestInner = burn::backend::NdArray;
+/// The test backend's inner backend: NdArray on the CPU, one thread per replica; with the
+/// `wgpu` feature, Burn's wgpu backend (the suite that runs on a Vulkan device).
+#[cfg(feature = "wgpu")]
+pub type TestInner = burn::backend::Wgpu;
+
+/// The test backend: [`TestInner`] with autodiff.
+pub type TestBackend = Autodiff<TestInner>;
 
 /// Features per sample.
 pub const FEATURES: usize = 16;

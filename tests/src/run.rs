@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use burn::backend::NdArray;
+use crate::data::TestInner;
 use burn::data::dataloader::DataLoader;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
@@ -152,7 +152,8 @@ where
         + AutodiffModule<TestBackend>
         + core::fmt::Display
         + 'static,
-    M::InnerModule: InferenceStep<Input = Batch<NdArray>, Output = ClassificationOutput<NdArray>>,
+    M::InnerModule:
+        InferenceStep<Input = Batch<TestInner>, Output = ClassificationOutput<TestInner>>,
     O: Optimizer<M, TestBackend> + 'static,
     S: LrScheduler + 'static,
 {
@@ -182,18 +183,19 @@ where
         + AutodiffModule<TestBackend>
         + core::fmt::Display
         + 'static,
-    M::InnerModule: InferenceStep<Output = ClassificationOutput<NdArray>>,
+    M::InnerModule: InferenceStep<Output = ClassificationOutput<TestInner>>,
     <M::InnerModule as InferenceStep>::Input: Clone + core::fmt::Debug,
     <M as TrainStep>::Input: Clone + core::fmt::Debug,
     O: Optimizer<M, TestBackend> + 'static,
     S: LrScheduler + 'static,
     I: Send + Sync + Clone + core::fmt::Debug + 'static,
     Bt: Batcher<TestBackend, I, <M as TrainStep>::Input>
-        + Batcher<NdArray, I, <M::InnerModule as InferenceStep>::Input>
+        + Batcher<TestInner, I, <M::InnerModule as InferenceStep>::Input>
         + Clone
         + 'static,
 {
-    let device = burn::tensor::Device::<TestBackend>::default();
+    // Not `Copy` on every backend (wgpu's): the loaders take their own.
+    let strategy_device = device();
     let world_size = match (&run.group, run.from_env) {
         (Some(group), _) => group.world_size(),
         // Under a launcher, the job's (from the environment, as user code would ask).
@@ -234,14 +236,14 @@ where
                 batcher.clone(),
                 sampler,
                 run.global_batch / world_size,
-                device,
+                device(),
             )?
             .with_num_workers(run.loader_workers),
             // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows
             // burn-train's epoch, which `checkpoint(epoch)` sets.
         )
     };
-    let valid_loader: Arc<dyn DataLoader<NdArray, <M::InnerModule as InferenceStep>::Input>> =
+    let valid_loader: Arc<dyn DataLoader<TestInner, <M::InnerModule as InferenceStep>::Input>> =
         match run.valid {
             // The reference: Burn's own loader (a world-size-1 sampler's order: seed 0).
             _ if one_device => burn::data::dataloader::DataLoaderBuilder::new(batcher)
@@ -257,14 +259,14 @@ where
                 batcher,
                 DistributedSampler::new(valid.len(), 1)?.without_shuffle(),
                 run.valid_batch,
-                device,
+                device(),
             )?),
             ValidKind::Shuffled => Arc::new(DistributedDataLoader::new(
                 Arc::new(InMemDataset::new(valid.clone())),
                 batcher,
                 DistributedSampler::new(valid.len(), 1)?,
                 run.valid_batch,
-                device,
+                device(),
             )?),
             ValidKind::Plain => burn::data::dataloader::DataLoaderBuilder::new(batcher)
                 .batch_size(run.valid_batch)
@@ -344,18 +346,18 @@ where
         *slot = Some(training.interrupter());
     }
     let strategy = match (&run.group, run.replicas) {
-        (Some(group), _) => DdpStrategy::with_process_group(device, group.clone()),
+        (Some(group), _) => DdpStrategy::with_process_group(strategy_device, group.clone()),
         (None, replicas) if run.from_env.is_some() => DdpStrategy::from_env_with(
-            vec![device; replicas.unwrap_or(1)],
+            vec![strategy_device; replicas.unwrap_or(1)],
             &burn_ddp::group::TcpGroupOptions {
                 connect_timeout: run.from_env.unwrap_or_default(),
                 job: None,
             },
         )?,
-        (None, Some(n)) => DdpStrategy::new(vec![device; n]),
+        (None, Some(n)) => DdpStrategy::new(vec![strategy_device; n]),
         (None, None) => {
             let result = training
-                .with_training_strategy(ExecutionStrategy::SingleDevice(device).into())
+                .with_training_strategy(ExecutionStrategy::SingleDevice(strategy_device).into())
                 .launch(learner);
             return Ok((float_tensors(&result.model), None));
         }
@@ -375,7 +377,7 @@ pub fn clip_global_norm<M: burn::module::AutodiffModule<TestBackend>>(
     max_norm: f32,
 ) -> burn::optim::GradientsParams {
     use burn::module::{ModuleVisitor, Param, ParamId};
-    type Inner = burn::backend::NdArray;
+    type Inner = TestInner;
     #[derive(Default)]
     struct Ids(Vec<(ParamId, usize)>);
     impl<B: Backend> ModuleVisitor<B> for Ids {

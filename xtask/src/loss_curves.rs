@@ -31,11 +31,10 @@ pub fn loss_curves(workers: usize, out: &Path, args: &[String]) -> ExitCode {
         return ExitCode::FAILURE;
     }
     let mut build = crate::cargo();
-    // The features `cargo xtask example` builds the example with (CUDA when ARGS ask for it).
-    let features = if cfg!(feature = "cuda") || crate::wants_cuda(args) {
-        "burn-ddp/launcher,cuda"
-    } else {
-        "burn-ddp/launcher"
+    // The features `cargo xtask example` builds the example with (CUDA or wgpu when ARGS ask).
+    let features = match crate::device_feature(args) {
+        Some(device) => format!("burn-ddp/launcher,{device}"),
+        None => "burn-ddp/launcher".to_string(),
     };
     build.args([
         "build",
@@ -45,7 +44,7 @@ pub fn loss_curves(workers: usize, out: &Path, args: &[String]) -> ExitCode {
         "--bin",
         "fashion-mnist",
         "--features",
-        features,
+        &features,
     ]);
     let built = run(build);
     if built != ExitCode::SUCCESS {

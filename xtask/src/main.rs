@@ -3,8 +3,8 @@
 //!
 //! - `cargo xtask example fashion-mnist [--bin custom-loop] [--features cuda] -- [ARGS]`: builds
 //!   the example in release mode and runs it (its binary of the same name, or `--bin`) with ARGS;
-//!   with `--device cuda` in ARGS (or xtask's own `cuda` feature) the example is built with its
-//!   `cuda` feature.
+//!   with `--device cuda` or `--device wgpu` in ARGS (or xtask's own `cuda` feature) the example
+//!   is built with its `cuda` or `wgpu` feature.
 //! - `cargo xtask bench [--features mpi] [-- --long --out DIR]`: the benchmark, in release mode.
 //! - `cargo xtask gpu-check [--out DIR]`: builds the `gpu-check` binary and the Fashion-MNIST
 //!   example with CUDA (release, stripped, gzipped) and writes them to DIR (default
@@ -15,7 +15,7 @@
 //! - `cargo xtask launch [LAUNCHER OPTIONS] -- PROGRAM [ARGS]`: builds the `burn-ddp` launcher in
 //!   release mode and runs `burn-ddp run LAUNCHER OPTIONS -- PROGRAM ARGS`; when PROGRAM is an
 //!   example's binary (`fashion-mnist`, `custom-loop`), builds it too and runs that binary (with
-//!   its `cuda` feature when the program's arguments say `--device cuda`).
+//!   its `cuda` or `wgpu` feature when the program's arguments say `--device cuda` or `wgpu`).
 
 mod loss_curves;
 
@@ -135,12 +135,9 @@ fn main() -> ExitCode {
             let mut wanted = vec!["burn-ddp/launcher".to_string()];
             match features {
                 Some(features) => wanted.push(features),
-                // `--device cuda` needs the example's `cuda` feature: add it when not given
-                // (always, when xtask itself is built with its `cuda` feature).
-                None if cfg!(feature = "cuda") || wants_cuda(&args) => {
-                    wanted.push("cuda".into());
-                }
-                None => {}
+                // `--device cuda` or `wgpu` needs the example's feature of that name: added when
+                // not given (`cuda` always, when xtask itself is built with its `cuda` feature).
+                None => wanted.extend(device_feature(&args).map(str::to_string)),
             }
             cargo.args(["--features", &wanted.join(",")]);
             cargo.arg("--").args(&args);
@@ -149,12 +146,21 @@ fn main() -> ExitCode {
     }
 }
 
-/// Whether the example's arguments ask for CUDA devices (`--device cuda` or `--device=cuda`).
-fn wants_cuda(args: &[String]) -> bool {
-    args.iter().any(|a| a == "--device=cuda")
-        || args
-            .windows(2)
-            .any(|w| w[0] == "--device" && w[1] == "cuda")
+/// The feature a program's arguments need for their devices: `cuda` for `--device cuda` (or
+/// always, when xtask is built with its `cuda` feature), `wgpu` for `--device wgpu` (also
+/// written `--device=...`).
+fn device_feature(args: &[String]) -> Option<&'static str> {
+    let asks = |kind: &str| {
+        args.iter().any(|a| *a == format!("--device={kind}"))
+            || args.windows(2).any(|w| w[0] == "--device" && w[1] == kind)
+    };
+    if cfg!(feature = "cuda") || asks("cuda") {
+        Some("cuda")
+    } else if asks("wgpu") {
+        Some("wgpu")
+    } else {
+        None
+    }
 }
 
 /// The script that runs on the GPU machine, beside the binary.
@@ -335,8 +341,8 @@ fn launch(args: &[String]) -> ExitCode {
         "burn-ddp/launcher",
     ]);
     let example = package_of(program);
-    if features.is_none() && (cfg!(feature = "cuda") || wants_cuda(program_args)) {
-        features = Some("cuda".into());
+    if features.is_none() {
+        features = device_feature(program_args).map(str::to_string);
     }
     if let Some(package) = example {
         build.args(["--package", package]);

@@ -20,7 +20,7 @@ use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
 
 use super::checks::Observed;
 use super::compress::{Fallback, GradientCompression, Wire, choose_wire, from_wire, to_wire};
-use super::gradients::{Work, register_shaped};
+use super::gradients::{Work, concat_bucket, slice_bucket};
 use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
@@ -94,22 +94,8 @@ impl DeviceBuckets {
         let mut flags: Vec<Vec<f32>> = Vec::with_capacity(layout.buckets().len());
         let mut local_probes = Vec::new();
         for (bucket, grads) in layout.buckets().iter().zip(taken) {
-            let mut parts = Vec::with_capacity(bucket.params.len());
-            let mut present = Vec::with_capacity(bucket.params.len());
-            for (&p, grad) in bucket.params.iter().zip(grads) {
-                match grad {
-                    Some(grad) => {
-                        parts.push(grad);
-                        present.push(1.0f32);
-                    }
-                    None => {
-                        parts.push(Tensor::zeros([specs[p].numel()], device));
-                        present.push(0.0);
-                    }
-                }
-            }
-            let bucket_values = (bucket.numel > 0).then(|| {
-                let mut v = Tensor::cat(parts, 0);
+            let (bucket_values, present) = concat_bucket(bucket, specs, grads, device);
+            let bucket_values = bucket_values.map(|mut v| {
                 if options.check_finite {
                     local_probes.push(non_finite_probe(v.clone()));
                 }
@@ -370,23 +356,14 @@ impl<B: Backend> DevicePhase<B> {
         flags: &[f32],
         scale: f32,
     ) {
-        let mut flags = flags.iter();
+        let mut flags = flags.iter().copied();
         for (bucket, reduced) in layout.buckets().iter().zip(self.reduced) {
             let reduced = if scale == 1.0 || bucket.numel == 0 {
                 reduced
             } else {
                 reduced.mul_scalar(scale)
             };
-            for (j, &p) in bucket.params.iter().enumerate() {
-                // The flag's all-reduce: positive when any rank had a gradient.
-                if flags.next().is_none_or(|&f| f <= 0.0) {
-                    continue;
-                }
-                let spec = &specs[p];
-                let start = bucket.offsets[j];
-                let flat = reduced.clone().slice(start..start + spec.numel());
-                register_shaped::<B>(grads, spec, flat);
-            }
+            slice_bucket(bucket, specs, &reduced, &mut flags, None, grads);
         }
     }
 }

@@ -6,7 +6,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use super::layout::BucketLayout;
+use super::layout::{Bucket, BucketLayout};
 use super::link::Link;
 use super::options::Control;
 use crate::error::Result;
@@ -90,6 +90,63 @@ pub(super) fn register_shaped<B: Backend>(
     }, else {
         // `take_flat` rejected this parameter before, so the bucket never holds it.
     })
+}
+
+/// One bucket's gradients concatenated on `device` in the bucket's order (a parameter without a
+/// gradient as zeros), with one presence flag per parameter (1 or 0); `None` for a bucket
+/// without values. The device buckets reduce this tensor; the host buckets read it to the host
+/// in one transfer.
+pub(super) fn concat_bucket<B: Backend>(
+    bucket: &Bucket,
+    specs: &[TensorSpec],
+    grads: Vec<Option<Tensor<B, 1>>>,
+    device: &B::Device,
+) -> (Option<Tensor<B, 1>>, Vec<f32>) {
+    let mut parts = Vec::with_capacity(bucket.params.len());
+    let mut present = Vec::with_capacity(bucket.params.len());
+    for (&p, grad) in bucket.params.iter().zip(grads) {
+        match grad {
+            Some(grad) => {
+                parts.push(grad);
+                present.push(1.0f32);
+            }
+            None => {
+                parts.push(Tensor::zeros([specs[p].numel()], device));
+                present.push(0.0);
+            }
+        }
+    }
+    let values = (bucket.numel > 0).then(|| Tensor::cat(parts, 0));
+    (values, present)
+}
+
+/// Slices one reduced bucket (`reduced`: its values first, on the device) back into `grads`,
+/// one gradient per parameter whose flag (the next of `flags`) is positive and that `keep`
+/// keeps. Returns how many were registered.
+pub(super) fn slice_bucket<B: Backend>(
+    bucket: &Bucket,
+    specs: &[TensorSpec],
+    reduced: &Tensor<B, 1>,
+    flags: &mut impl Iterator<Item = f32>,
+    keep: Option<&[bool]>,
+    grads: &mut GradientsParams,
+) -> usize {
+    let mut registered = 0;
+    for (j, &p) in bucket.params.iter().enumerate() {
+        // The flag's all-reduce: positive when any rank had a gradient.
+        if flags.next().is_none_or(|f| f <= 0.0) {
+            continue;
+        }
+        let spec = &specs[p];
+        if keep.is_some_and(|keep| !keep.get(spec.index).copied().unwrap_or(true)) {
+            continue;
+        }
+        let start = bucket.offsets[j];
+        let flat = reduced.clone().slice(start..start + spec.numel());
+        register_shaped::<B>(grads, spec, flat);
+        registered += 1;
+    }
+    registered
 }
 
 /// Removes `specs`' gradients from `grads`, flattened, per bucket of `layout`.

@@ -3,6 +3,14 @@
 //! flag per parameter of every bucket, then the control words); the buckets are reduced by the
 //! [communication hook](crate::hooks) and copied back into each gradient's own storage.
 //!
+//! How a gradient reaches its buffer is a [`Transfer`]: on Burn's CPU backends each gradient is
+//! copied on its own (a copy in memory, into and out of its own storage); on every other backend
+//! (wgpu, CUDA with a host group) each bucket is concatenated on the device with the code the
+//! device buckets use, read to the host in one transfer, and written back in one, then sliced on
+//! the device: one synchronising transfer each way per bucket, where a read per gradient was one
+//! per tensor. The reduction and its checks (NaN guard, clipping norm) run on the host buffers
+//! either way, so both give the same bits and a step stays one collective.
+//!
 //! The buffers live as long as the reducer (PyTorch keeps its bucket tensors too): a fresh
 //! bucket-sized allocation every step is returned to the system and faulted in again, which cost
 //! more than the all-reduce itself (`cargo xtask bench`, bucket sweep). On backends whose
@@ -16,7 +24,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::checks::{Observed, observe_host};
-use super::gradients::{Gradients, Work, register_shaped};
+use super::gradients::{Gradients, Work, concat_bucket, register_shaped, slice_bucket};
 use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
@@ -32,14 +40,50 @@ pub(super) struct HostBuckets {
     /// allocated at the first multi-rank step and reused: `4 * (numel + params)` bytes each, plus
     /// the control words.
     buffers: Vec<Vec<f32>>,
+    /// The transfer, when not the backend's ([`Transfer::of`]); tests set it.
+    forced: Option<Transfer>,
+}
+
+/// How a host bucket's gradients move between the device and the host buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Transfer {
+    /// Each gradient read and written back on its own, through its own storage (Burn's CPU
+    /// backends, where this allocates nothing).
+    PerTensor,
+    /// Each bucket concatenated on the device, read once, written back once and sliced on the
+    /// device (every backend that keeps its tensors off the host).
+    PerBucket,
+}
+
+impl Transfer {
+    /// The transfer for backend `B`: per tensor on Burn's CPU backends (NdArray, Flex), per
+    /// bucket on every other. Every rank decides alike (one backend per job).
+    pub fn of<B: Backend>() -> Self {
+        let id = std::any::TypeId::of::<B>();
+        #[cfg(feature = "ndarray")]
+        if id == std::any::TypeId::of::<burn::backend::NdArray>()
+            || id == std::any::TypeId::of::<burn::backend::NdArray<f64>>()
+        {
+            return Transfer::PerTensor;
+        }
+        #[cfg(feature = "flex")]
+        if id == std::any::TypeId::of::<burn::backend::Flex>() {
+            return Transfer::PerTensor;
+        }
+        let _ = id;
+        Transfer::PerBucket
+    }
 }
 
 /// One phase's buckets, flattened and then reduced.
 pub(super) struct HostPhase {
     /// Per bucket: values; the first bucket then holds the flags and control words.
     pub buffers: Vec<Vec<f32>>,
-    /// Per bucket and parameter: this rank's gradient storage, refilled with the reduced values.
+    /// Per bucket and parameter: this rank's gradient storage, refilled with the reduced values
+    /// ([`Transfer::PerTensor`]; `None` per bucket).
     datas: Vec<Vec<Option<TensorData>>>,
+    /// How the buckets came from the device, and go back.
+    transfer: Transfer,
     /// This rank's own gradients held NaN or infinity (checked with `check_finite`).
     pub local_non_finite: bool,
 }
@@ -70,7 +114,15 @@ impl HostBuckets {
         Self {
             hook,
             buffers: Vec::new(),
+            forced: None,
         }
+    }
+
+    /// Moves gradients by `transfer` whatever the backend (tests: the per-bucket transfer on a
+    /// CPU backend).
+    #[cfg(test)]
+    pub fn force_transfer(&mut self, transfer: Transfer) {
+        self.forced = Some(transfer);
     }
 
     /// Forgets the buffers (the agreed layout changed).
@@ -91,6 +143,7 @@ impl HostBuckets {
         link: &mut Link,
         work: Work<'_, B>,
         options: &ReduceOptions,
+        device: &B::Device,
     ) -> Result<HostPhase> {
         let started = Instant::now();
         let Work {
@@ -105,7 +158,13 @@ impl HostBuckets {
         } else {
             Vec::new()
         };
-        let mut phase = flatten(link, layout, specs, taken, buffers, control, options)?;
+        let bucketed = Bucketed {
+            layout,
+            specs,
+            control,
+            transfer: self.forced.unwrap_or_else(Transfer::of::<B>),
+        };
+        let mut phase = flatten(link, &bucketed, taken, buffers, options, device)?;
         let flattened = Instant::now();
         let stats = self.run_hook(link, layout, &mut phase.buffers, options)?;
         link.stats.flatten += flattened - started;
@@ -160,17 +219,32 @@ impl HostBuckets {
     }
 }
 
+/// What a phase's buckets hold and how they move: the layout, the parameters, the control words
+/// (first phase only) and the transfer.
+#[derive(Clone, Copy)]
+struct Bucketed<'a> {
+    layout: &'a BucketLayout,
+    specs: &'a [TensorSpec],
+    control: Option<&'a Control>,
+    transfer: Transfer,
+}
+
 /// This rank's buckets, not yet reduced: `taken` copied into `buffers` (reused when their sizes
 /// fit), weighted, with the presence flags and `control` in the first bucket.
 fn flatten<B: Backend>(
-    link: &Link,
-    layout: &BucketLayout,
-    specs: &[TensorSpec],
+    link: &mut Link,
+    bucketed: &Bucketed<'_>,
     taken: Gradients<B>,
     mut buffers: Vec<Vec<f32>>,
-    control: Option<&Control>,
     options: &ReduceOptions,
+    device: &B::Device,
 ) -> Result<HostPhase> {
+    let Bucketed {
+        layout,
+        specs,
+        control,
+        transfer,
+    } = *bucketed;
     let tail = Tail::of(layout);
     let control_len = control.map_or(0, |c| c.len());
     let sizes: Vec<usize> = layout
@@ -187,40 +261,64 @@ fn flatten<B: Backend>(
     let mut flag = tail.flags;
     for (bucket_index, (bucket, grads)) in layout.buckets().iter().zip(taken).enumerate() {
         let mut bucket_datas = Vec::with_capacity(bucket.params.len());
-        for (j, (&p, grad)) in bucket.params.iter().zip(grads).enumerate() {
-            let spec = &specs[p];
-            let range = bucket.offsets[j]..bucket.offsets[j] + spec.numel();
-            let (present, data) = match grad {
-                Some(grad) => {
-                    let data = grad.into_data().convert::<f32>();
-                    let values = data.as_slice::<f32>().map_err(|e| {
-                        link.fail_bucket(
-                            bucket_index,
-                            format!("gradient of `{}` is not readable as f32: {e:?}", spec.path),
-                        )
-                    })?;
-                    if values.len() != range.len() {
-                        return Err(link.fail_bucket(
-                            bucket_index,
-                            format!(
-                                "gradient of `{}` has {} values, the parameter {}",
-                                spec.path,
-                                values.len(),
-                                range.len()
-                            ),
-                        ));
-                    }
-                    buffers[bucket_index][range].copy_from_slice(values);
-                    (1.0, Some(data))
+        if transfer == Transfer::PerBucket {
+            let buffer = &mut buffers[bucket_index][..bucket.numel];
+            let present = if grads.iter().all(Option::is_none) {
+                // Nothing of this rank's to move (a rank without a sample, the end-of-data
+                // check): zeros, without a transfer.
+                buffer.fill(0.0);
+                vec![0.0; bucket.params.len()]
+            } else {
+                let (values, present) = concat_bucket(bucket, specs, grads, device);
+                if let Some(values) = values {
+                    read_bucket(link, bucket_index, values, buffer)?;
                 }
-                None => {
-                    buffers[bucket_index][range].fill(0.0);
-                    (0.0, None)
-                }
+                present
             };
-            buffers[0][flag] = present;
-            flag += 1;
-            bucket_datas.push(data);
+            for present in present {
+                buffers[0][flag] = present;
+                flag += 1;
+            }
+        } else {
+            for (j, (&p, grad)) in bucket.params.iter().zip(grads).enumerate() {
+                let spec = &specs[p];
+                let range = bucket.offsets[j]..bucket.offsets[j] + spec.numel();
+                let (present, data) = match grad {
+                    Some(grad) => {
+                        link.stats.transfers_to_host += 1;
+                        let data = grad.into_data().convert::<f32>();
+                        let values = data.as_slice::<f32>().map_err(|e| {
+                            link.fail_bucket(
+                                bucket_index,
+                                format!(
+                                    "gradient of `{}` is not readable as f32: {e:?}",
+                                    spec.path
+                                ),
+                            )
+                        })?;
+                        if values.len() != range.len() {
+                            return Err(link.fail_bucket(
+                                bucket_index,
+                                format!(
+                                    "gradient of `{}` has {} values, the parameter {}",
+                                    spec.path,
+                                    values.len(),
+                                    range.len()
+                                ),
+                            ));
+                        }
+                        buffers[bucket_index][range].copy_from_slice(values);
+                        (1.0, Some(data))
+                    }
+                    None => {
+                        buffers[bucket_index][range].fill(0.0);
+                        (0.0, None)
+                    }
+                };
+                buffers[0][flag] = present;
+                flag += 1;
+                bucket_datas.push(data);
+            }
         }
         let values = &mut buffers[bucket_index][..bucket.numel];
         if options.check_finite {
@@ -238,8 +336,42 @@ fn flatten<B: Backend>(
     Ok(HostPhase {
         buffers,
         datas,
+        transfer,
         local_non_finite,
     })
+}
+
+/// Reads one bucket's concatenated `values` to the host in one transfer, into `buffer`.
+///
+/// # Errors
+/// [`DdpError::Bucket`] (after aborting the group) when the values are not readable as `f32`
+/// or not as many as the bucket's.
+fn read_bucket<B: Backend>(
+    link: &mut Link,
+    bucket_index: usize,
+    values: Tensor<B, 1>,
+    buffer: &mut [f32],
+) -> Result<()> {
+    link.stats.transfers_to_host += 1;
+    let data = values.into_data().convert::<f32>();
+    let values = data.as_slice::<f32>().map_err(|e| {
+        link.fail_bucket(
+            bucket_index,
+            format!("bucket is not readable as f32: {e:?}"),
+        )
+    })?;
+    if values.len() != buffer.len() {
+        return Err(link.fail_bucket(
+            bucket_index,
+            format!(
+                "bucket has {} values, its parameters {}",
+                values.len(),
+                buffer.len()
+            ),
+        ));
+    }
+    buffer.copy_from_slice(values);
+    Ok(())
 }
 
 impl HostPhase {
@@ -274,8 +406,9 @@ impl HostPhase {
         keep: Option<&[bool]>,
         device: &B::Device,
         rank: usize,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<(Vec<Vec<f32>>, u64)> {
         let tail = Tail::of(layout);
+        let mut written = 0;
         let flags: Vec<f32> = self
             .buffers
             .first()
@@ -284,6 +417,19 @@ impl HostPhase {
         let mut flags = flags.into_iter();
         let buckets = layout.buckets().iter().zip(&self.buffers).zip(self.datas);
         for (bucket_index, ((bucket, buffer), datas)) in buckets.enumerate() {
+            if self.transfer == Transfer::PerBucket {
+                let bucket_flags: Vec<f32> = flags.by_ref().take(bucket.params.len()).collect();
+                if bucket.numel == 0 || bucket_flags.iter().all(|&f| f <= 0.0) {
+                    continue;
+                }
+                let values: Vec<f32> = buffer[..bucket.numel].iter().map(|&v| v * scale).collect();
+                let reduced =
+                    Tensor::<B, 1>::from_data(TensorData::new(values, [bucket.numel]), device);
+                written += 1;
+                let mut bucket_flags = bucket_flags.into_iter();
+                slice_bucket(bucket, specs, &reduced, &mut bucket_flags, keep, grads);
+                continue;
+            }
             for ((j, &p), data) in bucket.params.iter().enumerate().zip(datas) {
                 // The flag's reduction: positive when any rank had a gradient.
                 if flags.next().is_none_or(|f| f <= 0.0) {
@@ -313,9 +459,10 @@ impl HostPhase {
                         .for_each(|(t, &s)| *t = s * scale);
                 }
                 let flat = Tensor::<B, 1>::from_data(data, device);
+                written += 1;
                 register_shaped::<B>(grads, spec, flat);
             }
         }
-        Ok(self.buffers)
+        Ok((self.buffers, written))
     }
 }

@@ -85,6 +85,8 @@ pub struct Reducer {
     link: Link,
     agreed: Agreed,
     buckets: Buckets,
+    /// The transfers to the host and to the device of the last reduction.
+    last_transfers: (u64, u64),
 }
 
 /// The second phase of a step: the tensors trainable since the agreed layout, reduced in buckets
@@ -142,7 +144,17 @@ impl Reducer {
                 config.bucket_cap_bytes(),
             ),
             buckets,
+            last_transfers: (0, 0),
         })
+    }
+
+    /// Moves host buckets' gradients by `transfer` whatever the backend (tests: the per-bucket
+    /// transfer on a CPU backend).
+    #[cfg(test)]
+    fn force_host_transfer(&mut self, transfer: host::Transfer) {
+        if let Buckets::Host(host) = &mut self.buckets {
+            host.force_transfer(transfer);
+        }
     }
 
     /// The bucket layout.
@@ -168,6 +180,11 @@ impl Reducer {
         stats.steps = stats.steps.saturating_sub(1);
         let buckets = self.agreed.layout.buckets().len() as u64;
         stats.buckets = stats.buckets.saturating_sub(buckets);
+        // Its transfers too (the host path moves nothing for a rank without gradients, but a
+        // device path reads its flags).
+        let (to_host, to_device) = self.last_transfers;
+        stats.transfers_to_host -= to_host;
+        stats.transfers_to_device -= to_device;
     }
 
     /// Communication counters since the reducer was built.
@@ -225,7 +242,11 @@ impl Reducer {
         let step = self.link.stats.steps;
         self.link.stats.steps += 1;
         let changes = self.agreed.changes(replica, step);
-        match grads {
+        let before = (
+            self.link.stats.transfers_to_host,
+            self.link.stats.transfers_to_device,
+        );
+        let outcome = match grads {
             Some(grads) if self.link.group.world_size() == 1 && options.weight == 1.0 => {
                 self.reduce_alone::<B>(replica, grads, changes, options)
             }
@@ -243,7 +264,12 @@ impl Reducer {
                 }
                 Ok(outcome)
             }
-        }
+        };
+        self.last_transfers = (
+            self.link.stats.transfers_to_host - before.0,
+            self.link.stats.transfers_to_device - before.1,
+        );
+        outcome
     }
 
     /// One rank: nothing to reduce, and no host copy of the gradients either; the changes of the
@@ -321,6 +347,7 @@ impl Reducer {
             link,
             agreed,
             buckets,
+            ..
         } = self;
         let first_work = Work {
             layout: &agreed.layout,
@@ -798,16 +825,26 @@ mod tests {
         grads
     }
 
-    /// Rank 0's and rank 1's outcomes of one reduce over 2 ranks, through the device path
-    /// (`staged`) or the host path.
+    /// Which path a test's reduction takes.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Path {
+        /// Host buckets, each gradient read on its own (the CPU backends').
+        Host,
+        /// Host buckets, each bucket concatenated on the device and read once (wgpu's).
+        HostPerBucket,
+        /// Device buckets, through a group that reduces device tensors (NCCL's).
+        Device,
+    }
+
+    /// Rank 0's and rank 1's outcomes of one reduce over 2 ranks, through `path`.
     fn reduce_two(
-        staged: bool,
+        path: Path,
         config: &DdpConfig,
         options: &ReduceOptions,
         nan: bool,
         magnitude: f32,
     ) -> Vec<(Vec<f32>, Option<Vec<f32>>, ReduceOutcome)> {
-        reduce_two_with(staged, config, options, |layer, rank| {
+        reduce_two_with(path, config, options, |layer, rank| {
             device_grads(layer, rank, nan, magnitude)
         })
         .into_iter()
@@ -821,7 +858,7 @@ mod tests {
     /// [`reduce_two`] with rank `r`'s gradients from `grads(layer, r)`; also returns each rank's
     /// communication counters.
     fn reduce_two_with(
-        staged: bool,
+        path: Path,
         config: &DdpConfig,
         options: &ReduceOptions,
         grads: impl Fn(&Linear<AutodiffDev>, usize) -> GradientsParams + Sync,
@@ -836,12 +873,15 @@ mod tests {
                 .map(|(rank, group)| {
                     let (layer, layout, grads) = (&layer, &layout, &grads);
                     s.spawn(move || {
-                        let group: Arc<dyn ProcessGroup> = if staged {
+                        let group: Arc<dyn ProcessGroup> = if path == Path::Device {
                             Arc::new(DeviceStaged(group))
                         } else {
                             Arc::new(group)
                         };
                         let mut reducer = Reducer::new(group, layout, config).unwrap();
+                        if path == Path::HostPerBucket {
+                            reducer.force_host_transfer(host::Transfer::PerBucket);
+                        }
                         let outcome = reducer
                             .reduce_with::<Dev>(
                                 &Replica::<AutodiffDev, _>::new(layer),
@@ -889,8 +929,8 @@ mod tests {
                 ..ReduceOptions::default()
             },
         ] {
-            let host = reduce_two(false, &config, &options, false, 1.0);
-            let device = reduce_two(true, &config, &options, false, 1.0);
+            let host = reduce_two(Path::Host, &config, &options, false, 1.0);
+            let device = reduce_two(Path::Device, &config, &options, false, 1.0);
             for rank in 0..2 {
                 let (hw, hb, ho) = &host[rank];
                 let (dw, db, d_o) = &device[rank];
@@ -930,6 +970,52 @@ mod tests {
     }
 
     #[test]
+    fn host_buckets_move_once_each_way_per_bucket_off_the_cpu_and_give_the_same_bits() {
+        // Per-tensor reads (CPU backends) against one read and one write per bucket (wgpu):
+        // the same bits, the same checks, and 2 buckets (the bias in a bucket of its own) moved
+        // once each way where the weight and the bias moved once each.
+        let config = DdpConfig::default()
+            .with_bucket_cap_bytes(4)
+            .with_first_bucket_cap_bytes(4);
+        for options in [
+            ReduceOptions::default(),
+            ReduceOptions {
+                clip_norm: Some(1.0),
+                check_finite: true,
+                weight: 0.5,
+                ..ReduceOptions::default()
+            },
+        ] {
+            let grads =
+                |layer: &Linear<AutodiffDev>, rank: usize| device_grads(layer, rank, false, 1.0);
+            let tensor = reduce_two_with(Path::Host, &config, &options, grads);
+            let bucket = reduce_two_with(Path::HostPerBucket, &config, &options, grads);
+            for rank in 0..2 {
+                let (tw, tb, to, ts) = &tensor[rank];
+                let (bw, bb, bo, bs) = &bucket[rank];
+                assert_eq!(bw, tw, "weight, rank {rank}, {options:?}");
+                assert_eq!(bb, tb, "bias, rank {rank}, {options:?}");
+                assert_eq!(bo.grad_norm, to.grad_norm);
+                assert_eq!(bo.clip_scale, to.clip_scale);
+                assert_eq!(bs.buckets, 2, "{options:?}");
+                // Rank 1 has no bias gradient, so no bias bucket to read: it reads one tensor
+                // or one bucket; both ranks write both back (rank 0's bias is the average).
+                assert_eq!(
+                    ts.transfers_to_host,
+                    2 - rank as u64,
+                    "per tensor, rank {rank}"
+                );
+                assert_eq!(ts.transfers_to_device, 2, "per tensor, rank {rank}");
+                assert_eq!(
+                    (bs.transfers_to_host, bs.transfers_to_device),
+                    (bs.buckets - rank as u64, bs.buckets),
+                    "per bucket, rank {rank}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn device_checks_do_not_overflow_where_the_host_checks_do_not() {
         // Gradients around 1e25: their squares (1e50) overflow f32, their sum does not.
         let options = ReduceOptions {
@@ -938,8 +1024,8 @@ mod tests {
             ..ReduceOptions::default()
         };
         let config = DdpConfig::default();
-        let host = reduce_two(false, &config, &options, false, 1e25);
-        let device = reduce_two(true, &config, &options, false, 1e25);
+        let host = reduce_two(Path::Host, &config, &options, false, 1e25);
+        let device = reduce_two(Path::Device, &config, &options, false, 1e25);
         for rank in 0..2 {
             let (h, d) = (&host[rank].2, &device[rank].2);
             assert!(
@@ -961,7 +1047,7 @@ mod tests {
             check_finite: true,
             ..ReduceOptions::default()
         };
-        let outcomes = reduce_two(true, &DdpConfig::default(), &options, true, 1.0);
+        let outcomes = reduce_two(Path::Device, &DdpConfig::default(), &options, true, 1.0);
         for (rank, (weight, bias, outcome)) in outcomes.iter().enumerate() {
             assert!(outcome.non_finite, "rank {rank}");
             assert_eq!(outcome.local_non_finite, rank == 1, "rank {rank}");
@@ -975,13 +1061,13 @@ mod tests {
     #[test]
     fn compressed_device_buckets_match_f32_within_16_bit_rounding() {
         let options = ReduceOptions::default();
-        let exact = reduce_two(false, &DdpConfig::default(), &options, false, 1.0);
+        let exact = reduce_two(Path::Host, &DdpConfig::default(), &options, false, 1.0);
         for (compression, epsilon) in [
             (GradientCompression::Bf16, 2f32.powi(-8)),
             (GradientCompression::F16, 2f32.powi(-11)),
         ] {
             let config = DdpConfig::default().with_gradient_compression(compression);
-            let compressed = reduce_two(true, &config, &options, false, 1.0);
+            let compressed = reduce_two(Path::Device, &config, &options, false, 1.0);
             let (ew, eb, _) = &exact[0];
             let (cw, cb, _) = &compressed[0];
             let values = |w: &Vec<f32>, b: &Option<Vec<f32>>| {
@@ -1054,11 +1140,11 @@ mod tests {
         ] {
             for magnitude in [2e5f32, 1e-9] {
                 let magnitudes = [magnitude, magnitude * 1.5];
-                let exact = reduce_two_with(false, &DdpConfig::default(), &options, |l, r| {
+                let exact = reduce_two_with(Path::Host, &DdpConfig::default(), &options, |l, r| {
                     scaled_grads(l, r, magnitudes)
                 });
                 let config = DdpConfig::default().with_gradient_compression(compression);
-                let compressed = reduce_two_with(true, &config, &options, |l, r| {
+                let compressed = reduce_two_with(Path::Device, &config, &options, |l, r| {
                     scaled_grads(l, r, magnitudes)
                 });
                 for rank in 0..2 {
@@ -1091,11 +1177,11 @@ mod tests {
         // Rank 0 near 2e5, rank 1 near 1e-9: one bucket spanning 14 orders of magnitude.
         let magnitudes = [2e5f32, 1e-9];
         let options = ReduceOptions::default();
-        let exact = reduce_two_with(false, &DdpConfig::default(), &options, |l, r| {
+        let exact = reduce_two_with(Path::Host, &DdpConfig::default(), &options, |l, r| {
             scaled_grads(l, r, magnitudes)
         });
         let config = DdpConfig::default().with_gradient_compression(GradientCompression::F16);
-        let compressed = reduce_two_with(true, &config, &options, |l, r| {
+        let compressed = reduce_two_with(Path::Device, &config, &options, |l, r| {
             scaled_grads(l, r, magnitudes)
         });
         for rank in 0..2 {
@@ -1115,7 +1201,7 @@ mod tests {
         };
         for compression in [GradientCompression::F16, GradientCompression::Bf16] {
             let config = DdpConfig::default().with_gradient_compression(compression);
-            let outcomes = reduce_two(true, &config, &options, true, 2e5);
+            let outcomes = reduce_two(Path::Device, &config, &options, true, 2e5);
             for (rank, (_, _, outcome)) in outcomes.iter().enumerate() {
                 assert!(outcome.non_finite, "{compression:?} rank {rank}");
                 assert_eq!(

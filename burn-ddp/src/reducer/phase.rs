@@ -51,7 +51,7 @@ impl Buckets {
     ) -> Result<Phase<B>> {
         let layout = work.layout;
         Ok(match self {
-            Buckets::Host(host) => Phase::Host(host.reduce::<B>(link, work, options)?),
+            Buckets::Host(host) => Phase::Host(host.reduce::<B>(link, work, options, device)?),
             Buckets::Device(buckets) => {
                 let phase = buckets.reduce::<B>(link, work, options, device)?;
                 let read = phase.read(layout, options, link.rank())?;
@@ -75,7 +75,7 @@ impl Buckets {
     #[allow(clippy::too_many_arguments)]
     pub fn unflatten<B: Backend>(
         &mut self,
-        link: &Link,
+        link: &mut Link,
         phase: Phase<B>,
         work: (&BucketLayout, &[TensorSpec], bool),
         grads: &mut GradientsParams,
@@ -86,8 +86,10 @@ impl Buckets {
         let (layout, specs, agreed) = work;
         match phase {
             Phase::Host(phase) => {
-                let buffers =
-                    phase.unflatten::<B>(layout, specs, grads, scale, keep, device, link.rank())?;
+                let rank = link.rank();
+                let (buffers, written) =
+                    phase.unflatten::<B>(layout, specs, grads, scale, keep, device, rank)?;
+                link.stats.transfers_to_device += written;
                 if let (Buckets::Host(host), true) = (self, agreed) {
                     host.keep(buffers);
                 }

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use burn::train::{LearnerOptimizerRecord, LearningComponentsTypes};
+use burn::train::{LearnerOptimizerRecord, LearningComponentsTypes, TrainingBackend};
 
 use super::epoch::{Counters, Trainer};
 use super::rank::Role;
@@ -51,6 +51,14 @@ impl<LC: LearningComponentsTypes> Trainer<LC> {
         leader.wait_for_events();
         if let Some(checkpointer) = &mut leader.checkpointer {
             let stopped_before = self.interrupter.should_stop();
+            // burn-train's checkpointer reads the record on its own thread: on an asynchronous
+            // runtime the epoch's last optimizer step must have run first (on wgpu with fusion
+            // it would read values of before it, or fail).
+            super::epoch::sync_device::<TrainingBackend<LC>>(
+                self.rank,
+                &self.device,
+                "the optimizer step before the epoch checkpoint",
+            )?;
             checkpointer.checkpoint(&self.learner, epoch, &leader.event_store);
             let read_back =
                 wait_for_epoch_checkpoint(checkpointer, &self.learner, &self.device, epoch);

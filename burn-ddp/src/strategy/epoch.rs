@@ -434,13 +434,24 @@ where
             // rank without a batch, since the step goes on.
             self.learner.lr_step();
         }
-        let output = input.map(|input| {
-            let started = Instant::now();
-            let output = self.learner.train_step(input);
-            report.compute += started.elapsed();
-            report.batches += 1;
-            output
-        });
+        let output = input
+            .map(|input| {
+                let started = Instant::now();
+                let output = self.learner.train_step(input);
+                // On an asynchronous runtime (CUDA, wgpu) the passes' kernels run behind this
+                // thread: their time is compute, not the bucket copies that would wait for them,
+                // and what the step produced (its output, its gradients, BatchNorm's statistics)
+                // is complete before any of it reaches another replica's thread.
+                sync_device::<TrainingBackend<LC>>(
+                    self.rank,
+                    &self.device,
+                    "the step's forward and backward passes",
+                )?;
+                report.compute += started.elapsed();
+                report.batches += 1;
+                Ok(output)
+            })
+            .transpose()?;
         if run.policy.join() && crate::sync_bn::used_on_this_thread() {
             return Err(DdpError::InvalidConfig(
                 "SyncBatchNorm cannot be combined with UnevenInputs::Join: a rank without a \
@@ -588,12 +599,10 @@ where
             let model = crate::replica::restore_selected(model, snapshot, &run.buffers);
             self.learner.load_model(model.into_record());
         }
-        tracing::warn!(
-            "burn-ddp: rank {}: skipped step {} of epoch {}: the gradients are not finite",
-            self.rank,
-            state.step,
-            state.epoch
-        );
+        crate::log::warn_console(&format!(
+            "rank {}: skipped step {} of epoch {}: the gradients are not finite",
+            self.rank, state.step, state.epoch
+        ));
         Ok(false)
     }
 
@@ -770,4 +779,20 @@ fn without_sample_under_sync_bn(last_step_samples: u64) -> DdpError {
          sampler with DistributedSampler::with_drop_last(true), or choose a batch size or \
          dataset size that leaves every rank a sample in the last step"
     ))
+}
+
+/// Waits until the work queued on `device` by this thread has run (a no-op on the CPU backends).
+///
+/// # Errors
+/// [`DdpError::Device`] naming the rank and `operation` when the backend reports that it failed.
+pub(super) fn sync_device<B: burn::tensor::backend::Backend>(
+    rank: usize,
+    device: &B::Device,
+    operation: &str,
+) -> Result<()> {
+    B::sync(device).map_err(|e| DdpError::Device {
+        rank,
+        operation: operation.to_string(),
+        detail: format!("{e:?}"),
+    })
 }

@@ -19,6 +19,7 @@ use burn::train::{
     EventProcessorTraining, LearnerEvent, LearningComponentsTypes, TrainingBackend, TrainingItem,
 };
 
+use super::handoff::Handoff;
 use super::metrics_file::StepTimes;
 use super::rank::{Comm, Leader, ModelOutput, Part, Role, ValidOutput};
 use super::wire::{bad_words, decode_entry, encode_entry, gather_words};
@@ -129,8 +130,10 @@ where
         let joined = self.train_codec.is_some();
         match role {
             Role::Follower(sender) => {
-                // Rank 0 only stops listening when training ends; a failed send means it is
-                // gone, which the next collective reports.
+                // Read here, where it was made (see `handoff.rs`). Rank 0 only stops listening
+                // when training ends; a failed send means it is gone, which the next collective
+                // reports.
+                let output = output.map(|o| Handoff::of(o, self.train_codec));
                 let _ = sender.send(Part::Train { rank, step, output });
                 return Ok(());
             }
@@ -183,7 +186,7 @@ where
         slots[rank] = Some(output);
         if self.threads {
             if let Role::Leader(leader) = role {
-                drain_parts(leader, self, None)?;
+                drain_parts(leader, self, None, comm.device)?;
                 emit_ready(leader, self, progress_global, comm.device);
             }
             Ok(())
@@ -225,7 +228,7 @@ where
             if self.next >= steps {
                 return Ok(());
             }
-            drain_parts(leader, self, Some(deadline))?;
+            drain_parts(leader, self, Some(deadline), comm.device)?;
         }
     }
 
@@ -293,7 +296,8 @@ fn drain_unjoined<LC: LearningComponentsTypes>(
                 continue;
             }
         };
-        if let Some(output) = output {
+        // No codec: the output itself crossed (its producer's device synchronised).
+        if let Some(Handoff::Output(output)) = output {
             let item = TrainingItem::new(
                 output,
                 events
@@ -311,14 +315,26 @@ fn drain_unjoined<LC: LearningComponentsTypes>(
     }
 }
 
-/// Files a training part under its step and rank.
+/// Files a training part another rank's thread handed over under its step and rank, on rank
+/// 0's `device`.
+///
+/// # Errors
+/// [`DdpError::Bucket`] when its words cannot be decoded.
 pub(super) fn insert_train<LC: LearningComponentsTypes>(
     events: &mut Events<LC>,
-    world_size: usize,
     rank: usize,
     step: usize,
-    output: Option<ModelOutput<LC>>,
-) {
+    output: Option<Handoff<ModelOutput<LC>>>,
+    device: &burn::tensor::Device<TrainingBackend<LC>>,
+) -> Result<()>
+where
+    ModelOutput<LC>: 'static,
+{
+    let output = output
+        .map(|o| o.take(events.train_codec, device))
+        .transpose()
+        .map_err(|detail| bad_words(0, rank, detail))?;
+    let world_size = events.world_size;
     let slots = events
         .train
         .entry(step)
@@ -326,6 +342,7 @@ pub(super) fn insert_train<LC: LearningComponentsTypes>(
     if let Some(slot) = slots.get_mut(rank) {
         *slot = Some(output);
     }
+    Ok(())
 }
 
 /// The next part from the ranks that are threads, waiting until `deadline`; `Err(waited)` when
@@ -349,12 +366,15 @@ fn drain_parts<LC: LearningComponentsTypes>(
     leader: &mut Leader<LC>,
     events: &mut Events<LC>,
     deadline: Option<Instant>,
-) -> Result<()> {
-    let world_size = events.world_size;
+    device: &burn::tensor::Device<TrainingBackend<LC>>,
+) -> Result<()>
+where
+    ModelOutput<LC>: 'static,
+{
     if let Some(deadline) = deadline {
         match recv_until(leader, deadline) {
             Ok(Part::Train { rank, step, output }) => {
-                insert_train(events, world_size, rank, step, output)
+                insert_train(events, rank, step, output, device)?
             }
             Ok(other) => events.stash.push_back(other),
             Err(waited) => {
@@ -373,9 +393,7 @@ fn drain_parts<LC: LearningComponentsTypes>(
     }
     while let Ok(part) = leader.items.try_recv() {
         match part {
-            Part::Train { rank, step, output } => {
-                insert_train(events, world_size, rank, step, output)
-            }
+            Part::Train { rank, step, output } => insert_train(events, rank, step, output, device)?,
             other => events.stash.push_back(other),
         }
     }

@@ -17,7 +17,9 @@
 mod checkpointing;
 mod epoch;
 mod events;
+mod handoff;
 mod metrics_file;
+mod owned;
 mod policy;
 mod rank;
 mod resume;

@@ -2,6 +2,7 @@
 //! that are threads of one process, where a rank's items go (its [`Role`]: rank 0 holds
 //! burn-train's components), and the rank as the parts see it ([`Comm`]).
 
+use super::handoff::Handoff;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::Duration;
@@ -30,13 +31,13 @@ pub(super) enum Part<LC: LearningComponentsTypes> {
     Train {
         rank: usize,
         step: usize,
-        output: Option<ModelOutput<LC>>,
+        output: Option<Handoff<ModelOutput<LC>>>,
     },
     /// Step `step` of `rank`'s validation batches.
     Valid {
         rank: usize,
         step: usize,
-        output: ValidOutput<LC>,
+        output: Handoff<ValidOutput<LC>>,
     },
     /// The rank validated its whole shard: `steps` batches.
     ValidDone { rank: usize, steps: usize },

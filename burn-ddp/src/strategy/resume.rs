@@ -46,6 +46,13 @@ pub(super) struct Resume {
     pub synchronisations: u64,
 }
 
+impl Resume {
+    /// The run continues from a checkpoint (its model and optimizer state were loaded).
+    pub fn resumed(&self) -> bool {
+        self.starting_epoch > 1 || self.batches > 0 || self.optimizer_steps > 0
+    }
+}
+
 /// A checkpoint a run could start from.
 enum Candidate {
     Epoch(usize),
@@ -222,7 +229,7 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
     // burn-train's own `SupervisedTraining::checkpoint(epoch)` continues whichever run wrote
     // that checkpoint, as the user asked.
     let refuse_foreign = || match (epochs, starting_epoch) {
-        (Some(_), 0 | 1) => refuse_foreign_epoch_checkpoints(config, resuming.run_id),
+        (Some(_), 0 | 1) => refuse_foreign_epoch_checkpoints(config, resuming),
         _ => Ok(()),
     };
     let asked = config.resume() || config.resume_from().is_some();
@@ -248,7 +255,7 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
     };
     let (loaded, skipped) = loading.newest(mine, starting_epoch)?;
     for skip in &skipped {
-        tracing::warn!("burn-ddp: rank {}: not resuming from {skip}", resuming.rank);
+        crate::log::warn_console(&format!("rank {}: not resuming from {skip}", resuming.rank));
     }
     let (learner, mut resume) = match loaded {
         Some((learner, resume)) => (Some(learner), resume),
@@ -269,15 +276,17 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
 /// burn-ddp state file claims) would overwrite them, and its checkpointing strategy delete older
 /// ones. Such a run is refused, unless it continues that run
 /// ([`DdpConfig::with_resume_from`]) or is told it may
-/// ([`DdpConfig::with_overwrite_checkpoints`]).
+/// ([`DdpConfig::with_overwrite_checkpoints`]: rank 0 then says on the console whose
+/// checkpoints this run replaces).
 ///
 /// # Errors
 /// [`DdpError::Checkpoint`] naming the directory, the other run and its epochs, and the ways out.
-fn refuse_foreign_epoch_checkpoints(config: &DdpConfig, run_id: &str) -> Result<()> {
+fn refuse_foreign_epoch_checkpoints(config: &DdpConfig, resuming: &Resuming<'_>) -> Result<()> {
+    let run_id = resuming.run_id;
     let Some(dir) = config.checkpoint_dir() else {
         return Ok(());
     };
-    if config.overwrite_checkpoints() || config.resume_from().is_some() {
+    if config.resume_from().is_some() {
         return Ok(());
     }
     let foreign: Vec<(usize, Option<String>)> = epoch_checkpoints(dir)
@@ -299,6 +308,17 @@ fn refuse_foreign_epoch_checkpoints(config: &DdpConfig, run_id: &str) -> Result<
         "a run no burn-ddp state file names (plain Burn's?)".to_string(),
         |o| format!("run {o}"),
     );
+    if config.overwrite_checkpoints() {
+        if resuming.rank == 0 {
+            crate::log::warn_console(&format!(
+                "checkpoint {}: this run ({run_id}) replaces burn-train's checkpoints of \
+                 epoch(s) {} of {whose} as it writes its own (with_overwrite_checkpoints)",
+                dir.display(),
+                epochs.join(", ")
+            ));
+        }
+        return Ok(());
+    }
     Err(DdpError::Checkpoint {
         path: dir.display().to_string(),
         detail: format!(
@@ -343,7 +363,7 @@ fn candidates(
     };
     let (found, unreadable) = candidates_in(dir, with_epochs);
     for why in unreadable {
-        tracing::warn!("burn-ddp: rank {}: not resuming from {why}", resuming.rank);
+        crate::log::warn_console(&format!("rank {}: not resuming from {why}", resuming.rank));
     }
     Ok(Some((dir.to_path_buf(), found, true)))
 }
@@ -659,6 +679,13 @@ impl<LC: LearningComponentsTypes> StepCheckpoints<LC> {
         let names = StepState::prefixes_of(self.run_id.as_deref())
             .map(|prefix| format!("{prefix}-{number}.mpk"));
         let records = self.dir.join(&names[0]);
+        // burn-train's checkpointer reads the record on its own thread: the step must have run.
+        // Rank 0 alone writes step checkpoints.
+        super::epoch::sync_device::<TrainingBackend<LC>>(
+            0,
+            device,
+            "the optimizer step before the step checkpoint",
+        )?;
         self.checkpointer.checkpoint(learner, number, store);
         let read_back = quietly(|| {
             self.checkpointer

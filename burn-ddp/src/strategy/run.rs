@@ -7,7 +7,7 @@ use std::sync::mpsc;
 
 use burn::train::{
     Learner, LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader,
-    TrainingComponents, TrainingModel, ValidLoader,
+    TrainingBackend, TrainingComponents, TrainingModel, ValidLoader,
 };
 
 use super::epoch::Trainer;
@@ -109,6 +109,18 @@ where
                 key: checkpoint_key(&run_id),
             },
         );
+        // A checkpoint loaded here is read by every replica's thread (each copies it): the
+        // loading must have run.
+        let resumed = resumed.and_then(|(loaded, resume)| {
+            if loaded.is_some() {
+                super::epoch::sync_device::<TrainingBackend<LC>>(
+                    first_rank,
+                    &self.devices[0],
+                    "loading the checkpoint",
+                )?;
+            }
+            Ok((loaded, resume))
+        });
         let (learner, resume) = match resumed {
             Ok((loaded, resume)) => (loaded.unwrap_or(learner), resume),
             Err(err) => {

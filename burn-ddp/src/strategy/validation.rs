@@ -25,6 +25,7 @@ use burn::train::{
 };
 
 use super::events::{Events, insert_train};
+use super::handoff::Handoff;
 use super::rank::{Comm, InnerBackend, Leader, ModelOutput, Part, Role, ValidOutput};
 use super::wire::{bad_words, decode_entry, encode_entry, gather_words};
 use crate::error::{DdpError, Result};
@@ -245,6 +246,16 @@ where
             steps = step + 1;
             match &mut *self.role {
                 Role::Follower(sender) => {
+                    // Read here, where it was made; without a codec, complete before rank 0's
+                    // thread reads it (see `handoff.rs`).
+                    if shard.codec.is_none() {
+                        super::epoch::sync_device::<burn::train::TrainingBackend<LC>>(
+                            rank,
+                            self.comm.device,
+                            "a validation batch",
+                        )?;
+                    }
+                    let output = Handoff::of(output, shard.codec);
                     let _ = sender.send(Part::Valid { rank, step, output });
                 }
                 Role::Leader(leader) => in_order.put(
@@ -329,6 +340,9 @@ where
             };
             match next {
                 Ok(Part::Valid { rank, step, output }) => {
+                    let output = output
+                        .take(shard.codec, self.comm.device)
+                        .map_err(|detail| bad_words(0, rank, detail))?;
                     in_order.put(&mut to, (rank, step), output)
                 }
                 Ok(Part::ValidDone { rank, steps }) => {
@@ -336,7 +350,7 @@ where
                     done.insert(rank);
                 }
                 Ok(Part::Train { rank, step, output }) => {
-                    insert_train(self.events, world_size, rank, step, output)
+                    insert_train(self.events, rank, step, output, self.comm.device)?
                 }
                 Err(waited) => {
                     return Err(DdpError::Unresponsive {

@@ -110,6 +110,16 @@ where
     let _current =
         crate::sync_bn::enter_process_group(trainer.group.clone(), trainer.config.timeout());
     trainer.learner.fork(&trainer.device);
+    if trainer.resume.resumed() {
+        // The checkpoint was loaded once, on the main thread, for every replica of the process.
+        super::owned::own_learner(
+            &mut trainer.learner,
+            &mut trainer.records,
+            &trainer.device,
+            trainer.rank,
+            trainer.config.timeout(),
+        )?;
+    }
     // Check the replicas and start from rank 0's parameters and buffers.
     let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::for_replica(
         trainer.group.clone(),
@@ -119,11 +129,9 @@ where
     )?;
     trainer.learner.load_model(model.into_record());
     if let (Some(sharded), Some(shards)) = (&mut trainer.sharded, ddp.optimizer_shards()) {
-        let resume = &trainer.resume;
-        let resumed = resume.starting_epoch > 1 || resume.batches > 0 || resume.optimizer_steps > 0;
         sharded.start(
             shards.clone(),
-            resumed,
+            trainer.resume.resumed(),
             &mut trainer.records,
             &mut trainer.learner,
             &trainer.device,
@@ -164,6 +172,13 @@ where
     if !trainer.events.threads && trainer.group.world_size() > 1 {
         gather_reports(trainer, report);
     }
+    // The trained model leaves this thread: the work behind its tensors must have run (see
+    // `handoff.rs`), or the caller reads parameters the last steps have not written yet.
+    super::epoch::sync_device::<TrainingBackend<LC>>(
+        trainer.rank,
+        &trainer.device,
+        "the last optimizer step",
+    )?;
     *model_out = Some(trainer.learner.model());
     Ok(())
 }

@@ -2,4 +2,6 @@
 //! `fashion-mnist` binary and burn-ddp's multi-process tests.
 
 pub mod data;
+#[cfg(feature = "wgpu")]
+pub mod devices;
 pub mod model;

@@ -70,7 +70,8 @@ struct Args {
     /// Train on the first N images only (quick runs); the test set stays whole.
     #[arg(long)]
     train_limit: Option<usize>,
-    /// Directory for burn-train's logs, metrics and checkpoints.
+    /// Directory for burn-train's logs, metrics and checkpoints; a run without `--resume`
+    /// replaces an earlier run's checkpoints there (burn-ddp prints whose).
     #[arg(long, default_value = "target/fashion-mnist")]
     artifacts: PathBuf,
     /// Write a checkpoint after every epoch (always on under `burn-ddp run`, so restarts resume).
@@ -89,6 +90,10 @@ struct Args {
     /// Background threads per replica that build the next batches (PyTorch's `num_workers`).
     #[arg(long, default_value_t = 0)]
     loader_workers: usize,
+    /// With `--device wgpu`: put every replica on this Vulkan adapter (an index of the list
+    /// the error for a wrong one prints); default: replica r on adapter r, round robin.
+    #[arg(long)]
+    adapter: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -105,6 +110,9 @@ enum DeviceKind {
     Cpu,
     /// CUDA GPUs (build with `--features cuda`).
     Cuda,
+    /// GPUs through Burn's wgpu backend and Vulkan (build with `--features wgpu`): AMD, Intel,
+    /// NVIDIA, or Mesa's software device (lavapipe) where there is no GPU.
+    Wgpu,
 }
 
 fn main() -> ExitCode {
@@ -162,7 +170,46 @@ fn run_with_backend(args: &Args) -> Result<(), Failure> {
             train::<Autodiff<NdArray>>(args, vec![Default::default(); cpu])
         }
         (DeviceKind::Cuda, _) => cuda(args),
+        (DeviceKind::Wgpu, _) => wgpu(args),
     }
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn wgpu(_args: &Args) -> Result<(), Failure> {
+    Err(Failure::Other(
+        "this binary was built without wgpu: rebuild with `--features wgpu` (cargo xtask example \
+         fashion-mnist -- --device wgpu adds it)"
+            .into(),
+    ))
+}
+
+/// Replicas on the Vulkan adapters (`--workers`, default 2: threads; under a launcher the
+/// process's own, by local rank), round robin when there are fewer adapters than replicas (Mesa's
+/// software device is one adapter), or all on `--adapter`.
+#[cfg(feature = "wgpu")]
+fn wgpu(args: &Args) -> Result<(), Failure> {
+    use burn::backend::Wgpu;
+    let adapters = fashion_mnist::devices::wgpu_adapters();
+    if adapters.is_empty() {
+        return Err(Failure::Other(fashion_mnist::devices::NO_VULKAN.into()));
+    }
+    let chosen = match args.adapter {
+        Some(index) => vec![
+            adapters
+                .get(index)
+                .cloned()
+                .ok_or_else(|| fashion_mnist::devices::no_such_adapter(index, &adapters))?,
+        ],
+        None => adapters,
+    };
+    let workers = args.workers.unwrap_or(2);
+    if workers == 0 {
+        return Err(Failure::Other("--workers must be at least 1".into()));
+    }
+    let devices = (0..workers)
+        .map(|w| chosen[w % chosen.len()].device.clone())
+        .collect();
+    train::<Autodiff<Wgpu>>(args, devices)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -232,6 +279,7 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
             args.batch_size,
             match args.device {
                 DeviceKind::Cuda => "cuda",
+                DeviceKind::Wgpu => "wgpu",
                 DeviceKind::Cpu => match args.backend {
                     CpuBackend::Flex => "flex",
                     CpuBackend::Ndarray => "ndarray",
@@ -297,6 +345,11 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
     if args.resume {
         // You point at the directory: its newest checkpoint, whichever run wrote it.
         config = config.with_resume_from(&checkpoints);
+    } else {
+        // A fresh run of this example starts over in its artifact directory, as Burn's own
+        // examples do (they delete it): it replaces an earlier run's epoch checkpoints there,
+        // and burn-ddp says whose. Without this, burn-ddp refuses to overwrite another run's.
+        config = config.with_overwrite_checkpoints(true);
     }
     // burn-ddp prints its report (samples/s, time per rank) at the end of training.
     match training.launch_ddp(learner, strategy.with_config(config)) {

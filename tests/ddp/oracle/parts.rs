@@ -171,7 +171,7 @@ pub(super) enum Optim<M: burn::module::AutodiffModule<TestBackend>> {
     Sharded(Sharded<M>, Option<f32>),
     Sgd(
         burn::optim::adaptor::OptimizerAdaptor<
-            burn::optim::Sgd<burn::backend::NdArray>,
+            burn::optim::Sgd<burn_ddp_tests::TestInner>,
             M,
             TestBackend,
         >,
@@ -190,7 +190,7 @@ pub(super) enum Optim<M: burn::module::AutodiffModule<TestBackend>> {
 /// Burn's optimizers in burn-ddp's `ShardedOptimizer`.
 #[derive(Clone)]
 pub(super) enum Sharded<M: burn::module::AutodiffModule<TestBackend>> {
-    Sgd(ShardedOptimizer<burn::optim::Sgd<burn::backend::NdArray>, M, TestBackend>),
+    Sgd(ShardedOptimizer<burn::optim::Sgd<burn_ddp_tests::TestInner>, M, TestBackend>),
     Adam(ShardedOptimizer<burn::optim::Adam, M, TestBackend>),
     AdamW(ShardedOptimizer<burn::optim::AdamW, M, TestBackend>),
 }

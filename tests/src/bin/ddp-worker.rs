@@ -33,6 +33,9 @@
 //! `mismatch-half` (rank 0 all-reduces f16, the others bf16).
 //! `--panic-rank R --panic-at-batch K`: rank R panics in its K-th batch (a failure the strategy
 //! sees, unlike `--fail-rank`'s exit).
+//! `--straggle-rank R --straggle-at-batch K`: rank R sleeps 800 ms in its K-th batch (its peers
+//! wait for it in that step's gradient synchronisation: a spike); `--spike-factor F`: a
+//! synchronisation over F times the median is a spike (`DdpConfig::with_spike_factor`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,6 +69,9 @@ struct Args {
     mlp: bool,
     panic_rank: Option<usize>,
     panic_at_batch: usize,
+    straggle_rank: Option<usize>,
+    straggle_at_batch: usize,
+    spike_factor: Option<f64>,
     init_seed: u64,
 }
 
@@ -93,6 +99,9 @@ fn parse(raw: &[String]) -> Result<Args, String> {
         mlp: false,
         panic_rank: None,
         panic_at_batch: 2,
+        straggle_rank: None,
+        straggle_at_batch: 2,
+        spike_factor: None,
         init_seed: 11,
     };
     let mut it = raw.iter().cloned();
@@ -113,6 +122,15 @@ fn parse(raw: &[String]) -> Result<Args, String> {
             "--out-every-rank" => args.out_every_rank = true,
             "--panic-rank" => args.panic_rank = Some(number(value()?)? as usize),
             "--panic-at-batch" => args.panic_at_batch = number(value()?)? as usize,
+            "--straggle-rank" => args.straggle_rank = Some(number(value()?)? as usize),
+            "--straggle-at-batch" => args.straggle_at_batch = number(value()?)? as usize,
+            "--spike-factor" => {
+                let text = value()?;
+                args.spike_factor = Some(
+                    text.parse()
+                        .map_err(|e| format!("--spike-factor {text}: {e}"))?,
+                );
+            }
             "--model" => match value()?.as_str() {
                 "mlp" => args.mlp = true,
                 "cnn" => args.mlp = false,
@@ -227,6 +245,7 @@ fn main() -> ExitCode {
         (args.fail_rank, args.fail_at_batch, args.fail_attempt);
     let (signal_rank, signal_at, signal) = (args.signal_rank, args.signal_at_batch, args.signal);
     let (panic_rank, panic_at) = (args.panic_rank, args.panic_at_batch);
+    let (straggle_rank, straggle_at) = (args.straggle_rank, args.straggle_at_batch);
     let _ = STEP_HOOK.set(Box::new(move |batch| {
         // This rank: the process's, or the thread's ("burn-ddp-rank-R"; rank 0 of a single
         // replica trains on the main thread).
@@ -242,6 +261,9 @@ fn main() -> ExitCode {
                 "ddp-worker rank {rank}: failing on purpose at batch {batch}"
             ));
             std::process::exit(3);
+        }
+        if straggle_rank == Some(rank) && batch == straggle_at {
+            std::thread::sleep(Duration::from_millis(800));
         }
         if panic_rank == Some(rank) && batch == panic_at {
             panic!("ddp-worker rank {rank}: panicking on purpose at batch {batch}");
@@ -269,6 +291,9 @@ fn main() -> ExitCode {
     let mut config = DdpConfig::default()
         .with_timeout(args.timeout)
         .with_checkpoint_every(args.checkpoint_every);
+    if let Some(factor) = args.spike_factor {
+        config = config.with_spike_factor(factor);
+    }
     if let Some((first, rest)) = args.bucket_caps {
         config = config
             .with_first_bucket_cap_bytes(first)

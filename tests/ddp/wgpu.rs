@@ -1,0 +1,138 @@
+//! On a GPU-class runtime (feature `wgpu`: Burn's wgpu backend through Vulkan; in CI, Mesa's
+//! software device): what crosses the replica threads is complete when it crosses, and a run's
+//! figures are one device's. The rest of the suite runs on this backend too when the feature is
+//! on (`TestBackend`): the harness's core, sharding, short last batches, resume, the NaN guard.
+
+use burn::optim::AdamConfig;
+use burn_ddp::DdpConfig;
+use burn_ddp_tests::{
+    ExampleCnn, Recording, Run, SplitSeen, device, run_training_on, synthetic_images,
+};
+
+/// Trains the example's CNN (Adam, 1 epoch of `steps` steps of 32 images) on one device
+/// (`replicas: None`, plain Burn) or as `replicas` thread replicas, and returns what burn-train
+/// saw of training and the trained tensors.
+fn cnn_run(replicas: Option<usize>, steps: usize) -> (SplitSeen, Vec<Vec<f32>>) {
+    let mut run = Run::new(replicas, 32, steps * 32);
+    run.seed = 11;
+    run.recording = Some(Recording::default());
+    if replicas.is_some() {
+        run.config = DdpConfig::default().with_consistency_check_every(10);
+    }
+    let recording = run.recording.clone().unwrap_or_default();
+    let (tensors, _) = run_training_on(
+        ExampleCnn::deterministic(&device(), 3),
+        AdamConfig::new().init(),
+        1e-3,
+        synthetic_images(steps * 32, 3),
+        synthetic_images(8, 4),
+        fashion_mnist::data::FashionBatcher,
+        &run,
+    )
+    .unwrap();
+    (recording.seen().0, tensors)
+}
+
+#[test]
+fn every_joined_training_loss_is_one_devices_on_wgpu() {
+    // The other replicas hand rank 0 their step outputs; a tensor whose kernels another thread's
+    // stream has not run yet reads as garbage or zero there (11 of 93 losses once, half the loss
+    // at a step here). Every step's joined loss must be one device's. (The example's CNN has
+    // plain BatchNorm, normalised per replica as with PyTorch's DDP without SyncBatchNorm: a few
+    // parts in ten thousand over these steps; a garbage value is off by tens of percent.)
+    let steps = 40;
+    let (one, _) = cnn_run(None, steps);
+    let (ddp, _) = cnn_run(Some(2), steps);
+    let losses = |seen: &SplitSeen| seen.values("Loss");
+    let (one_losses, ddp_losses) = (losses(&one), losses(&ddp));
+    assert_eq!(one_losses.len(), steps, "one device's items");
+    assert_eq!(ddp_losses.len(), steps, "burn-ddp's items");
+    let wrong: Vec<(usize, f64, f64)> = one_losses
+        .iter()
+        .zip(&ddp_losses)
+        .enumerate()
+        .filter(|(_, (a, b))| (*a - *b).abs() > 1e-2 * a.abs().max(1e-3))
+        .map(|(i, (a, b))| (i, *a, *b))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{} of {steps} joined losses differ from one device's (step, one device, burn-ddp): \
+         {wrong:?}",
+        wrong.len()
+    );
+}
+
+#[test]
+fn gradients_move_once_each_way_per_bucket_on_wgpu() {
+    // Host groups read every gradient to the host on its own (one synchronising transfer per
+    // tensor per step); on a device they move once each way per bucket. A bucket per tensor of
+    // the MLP's 4 (4-byte caps), 6 steps, threads.
+    let mut run = Run::new(Some(2), 16, 6 * 16);
+    run.config = DdpConfig::default()
+        .with_first_bucket_cap_bytes(4)
+        .with_bucket_cap_bytes(4);
+    let (_, report) = burn_ddp_tests::run_training(
+        burn_ddp_tests::deterministic_mlp(),
+        burn::optim::SgdConfig::new().init(),
+        0.1,
+        &run,
+    )
+    .unwrap();
+    let report = report.expect("a DdpStrategy report");
+    assert_eq!(report.ranks.len(), 2);
+    for rank in &report.ranks {
+        let comm = &rank.comm;
+        assert_eq!(comm.steps, 6, "rank {}", rank.rank);
+        assert!(
+            comm.buckets == 4 * comm.steps,
+            "rank {}: several buckets per step: {comm:?}",
+            rank.rank
+        );
+        assert_eq!(
+            (comm.transfers_to_host, comm.transfers_to_device),
+            (comm.buckets, comm.buckets),
+            "rank {}: one transfer each way per bucket: {comm:?}",
+            rank.rank
+        );
+    }
+    assert!(
+        report.to_string().contains("transfers per step"),
+        "shown in the summary:\n{report}"
+    );
+}
+
+#[test]
+fn training_in_threads_leaves_the_callers_model_as_it_was_and_repeats_bit_for_bit() {
+    // Burn 0.21's fusion decides whether an operation may write a tensor in place from a count
+    // that threads share: a replica that kept the caller's tensors could overwrite them while
+    // another thread's queued work still read them (the caller's model changed under it, and a
+    // second run from it trained from other values: a resumed run 1e-3 off the uninterrupted
+    // one). Every replica must train tensors of its own.
+    use burn_ddp_tests::{Mlp, float_tensors, materialized, run_training};
+    let model = materialized(Mlp::new(&device()));
+    let before = float_tensors(&model);
+    let mut run = Run::new(Some(2), 16, 6 * 16);
+    run.epochs = 2;
+    let runs: Vec<Vec<Vec<f32>>> = (0..4)
+        .map(|i| {
+            // With checkpoints (their records are read on burn-train's threads) or without.
+            run.artifacts = (i % 2 == 1).then(|| {
+                let dir = std::env::temp_dir()
+                    .join(format!("burn-ddp-wgpu-repeat-{}-{i}", std::process::id()));
+                let _ = std::fs::remove_dir_all(&dir);
+                dir
+            });
+            run_training(model.clone(), AdamConfig::new().init(), 1e-2, &run)
+                .unwrap()
+                .0
+        })
+        .collect();
+    assert_eq!(float_tensors(&model), before, "the caller's model changed");
+    assert_ne!(runs[0], before, "the runs trained");
+    for (i, again) in runs.iter().enumerate().skip(1) {
+        assert_eq!(
+            again, &runs[0],
+            "run {i} from the same model differs from run 0"
+        );
+    }
+}
