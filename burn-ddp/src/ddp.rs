@@ -416,6 +416,37 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         )
     }
 
+    /// Folds the pending buffer updates of thread replicas whose models are clones of one module
+    /// (the strategy's threads), and so share Burn's `RunningState` (BatchNorm's statistics),
+    /// into its value on rank 0's thread, complete before any replica reads it. Every rank must
+    /// call it at the same point, after its own updates (one per forward pass).
+    ///
+    /// `RunningState` keeps each thread's update apart until some thread folds them all into
+    /// one value: left to Burn, whichever replica reads first folds them, on its own stream, and
+    /// the others read that value before the device has computed it (an asynchronous runtime:
+    /// wgpu, CUDA), so a replica validated with garbage statistics now and then. Here every
+    /// replica finishes its own work, rank 0 folds and waits for the device, and no replica
+    /// reads before. Nothing happens when the model has no buffers.
+    ///
+    /// # Errors
+    /// The barriers' errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`]); [`DdpError::Device`]
+    /// when the device reports a failed kernel.
+    pub(crate) fn settle_shared_buffers<M: AutodiffModule<B>>(&self, module: &M) -> Result<()> {
+        if !self.reducer.replica().buffer_mask().contains(&true) {
+            return Ok(());
+        }
+        let group = self.reducer.group();
+        let (rank, timeout) = (group.rank(), self.config.timeout());
+        sync_device::<B>(rank, &self.device, "this replica's buffer updates")?;
+        group.barrier(timeout)?;
+        if rank == 0 {
+            // `valid()` folds every thread's pending update into the shared value.
+            let _ = module.valid();
+            sync_device::<B>(rank, &self.device, "folding the replicas' buffer updates")?;
+        }
+        group.barrier(timeout)
+    }
+
     /// Replaces every rank's buffers by their average over the ranks (one all-reduce of the
     /// buffers): what Burn's shared `RunningState` does for replicas that are threads, for
     /// replicas that are separate models (processes). Pending BatchNorm updates are flushed first.
@@ -649,4 +680,20 @@ fn custom_loop_settings(config: &DdpConfig) -> Result<()> {
         ))),
         None => Ok(()),
     }
+}
+
+/// Waits until the work queued on `device` by this thread has run (a no-op on the CPU backends).
+///
+/// # Errors
+/// [`DdpError::Device`] naming the rank and `operation` when the backend reports that it failed.
+pub(crate) fn sync_device<B: burn::tensor::backend::Backend>(
+    rank: usize,
+    device: &B::Device,
+    operation: &str,
+) -> Result<()> {
+    B::sync(device).map_err(|e| DdpError::Device {
+        rank,
+        operation: operation.to_string(),
+        detail: format!("{e:?}"),
+    })
 }

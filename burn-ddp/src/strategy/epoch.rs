@@ -47,6 +47,31 @@ macro_rules! comm {
     };
 }
 
+/// How the replicas' buffers (BatchNorm's running statistics) are kept alike after every step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Buffers {
+    /// One replica: nothing to keep alike.
+    Alone,
+    /// Thread replicas: clones of one module, which share Burn's `RunningState` (it averages
+    /// their updates); the updates are folded on rank 0's thread, complete before any replica
+    /// reads them ([`DistributedDataParallel::settle_shared_buffers`]).
+    Shared,
+    /// Replicas in separate processes: averaged or broadcast by collectives, as
+    /// [`BufferSync`] says.
+    Separate,
+}
+
+impl Buffers {
+    /// The kind for `world_size` replicas that are threads of one process or not.
+    pub fn of(world_size: usize, threads: bool) -> Self {
+        match (world_size > 1, threads) {
+            (false, _) => Buffers::Alone,
+            (true, true) => Buffers::Shared,
+            (true, false) => Buffers::Separate,
+        }
+    }
+}
+
 /// The input of a training step.
 type TrainingModelInput<LC> = <TrainingModel<LC> as TrainStep>::Input;
 
@@ -63,9 +88,8 @@ pub(super) struct Trainer<LC: LearningComponentsTypes> {
     pub grad_accumulation: usize,
     pub epochs: std::ops::RangeInclusive<usize>,
     pub report: Arc<Mutex<TrainingReport>>,
-    /// Average buffers (BatchNorm statistics) across ranks after every step: replicas in other
-    /// processes do not share Burn's `RunningState`.
-    pub average_buffers: bool,
+    /// How the replicas' buffers (BatchNorm statistics) are kept alike after every step.
+    pub buffers: Buffers,
     /// Where the run starts: batches of the first epoch to skip, counters so far.
     pub resume: Resume,
     /// What rank 0 hands burn-train as events of training.
@@ -316,6 +340,11 @@ where
         } else {
             Some(grads)
         };
+        if ready.is_none() && self.buffers == Buffers::Shared {
+            // Inside an accumulation window: the next forward pass reads the statistics this one
+            // updated on every thread.
+            ddp.settle_shared_buffers(&self.learner.model())?;
+        }
         if let Some(grads) = ready
             && self.synchronise(state, &batch, grads, run, ddp, report)? == Next::EndOfData
         {
@@ -442,7 +471,7 @@ where
                 // thread: their time is compute, not the bucket copies that would wait for them,
                 // and what the step produced (its output, its gradients, BatchNorm's statistics)
                 // is complete before any of it reaches another replica's thread.
-                sync_device::<TrainingBackend<LC>>(
+                crate::ddp::sync_device::<TrainingBackend<LC>>(
                     self.rank,
                     &self.device,
                     "the step's forward and backward passes",
@@ -754,16 +783,15 @@ where
         }
     }
 
-    /// Keeps buffers identical across replicas in separate processes (threads share Burn's
-    /// `RunningState`, which averages).
+    /// Keeps buffers identical across replicas ([`Buffers`]).
     fn sync_buffers(&mut self, ddp: &DistributedDataParallel<TrainingBackend<LC>>) -> Result<()> {
-        if !self.average_buffers {
-            return Ok(());
-        }
-        let model = match self.config.buffer_sync() {
-            BufferSync::Average => ddp.average_buffers(self.learner.model())?,
-            BufferSync::Broadcast => ddp.sync_buffers(self.learner.model())?,
-            BufferSync::None => return Ok(()),
+        let model = match (self.buffers, self.config.buffer_sync()) {
+            (Buffers::Alone, _) | (Buffers::Separate, BufferSync::None) => return Ok(()),
+            (Buffers::Shared, _) => return ddp.settle_shared_buffers(&self.learner.model()),
+            (Buffers::Separate, BufferSync::Average) => {
+                ddp.average_buffers(self.learner.model())?
+            }
+            (Buffers::Separate, BufferSync::Broadcast) => ddp.sync_buffers(self.learner.model())?,
         };
         self.learner.load_model(model.into_record());
         Ok(())
@@ -779,20 +807,4 @@ fn without_sample_under_sync_bn(last_step_samples: u64) -> DdpError {
          sampler with DistributedSampler::with_drop_last(true), or choose a batch size or \
          dataset size that leaves every rank a sample in the last step"
     ))
-}
-
-/// Waits until the work queued on `device` by this thread has run (a no-op on the CPU backends).
-///
-/// # Errors
-/// [`DdpError::Device`] naming the rank and `operation` when the backend reports that it failed.
-pub(super) fn sync_device<B: burn::tensor::backend::Backend>(
-    rank: usize,
-    device: &B::Device,
-    operation: &str,
-) -> Result<()> {
-    B::sync(device).map_err(|e| DdpError::Device {
-        rank,
-        operation: operation.to_string(),
-        detail: format!("{e:?}"),
-    })
 }

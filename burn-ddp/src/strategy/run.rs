@@ -10,7 +10,7 @@ use burn::train::{
     TrainingBackend, TrainingComponents, TrainingModel, ValidLoader,
 };
 
-use super::epoch::Trainer;
+use super::epoch::{Buffers, Trainer};
 use super::events::Events;
 use super::metrics_file::MetricsFile;
 use super::rank::{Leader, Part, Role};
@@ -113,7 +113,7 @@ where
         // loading must have run.
         let resumed = resumed.and_then(|(loaded, resume)| {
             if loaded.is_some() {
-                super::epoch::sync_device::<TrainingBackend<LC>>(
+                crate::ddp::sync_device::<TrainingBackend<LC>>(
                     first_rank,
                     &self.devices[0],
                     "loading the checkpoint",
@@ -361,7 +361,7 @@ where
                     grad_accumulation: start.grad_accumulation,
                     epochs: start.epochs.clone(),
                     report: self.report.clone(),
-                    average_buffers: !threads && world_size > 1,
+                    buffers: Buffers::of(world_size, threads),
                     resume: start.resume.clone(),
                     events: Events::new(threads, self.config.metrics_every(), world_size),
                     loaders: start.loaders,

@@ -15,7 +15,7 @@ use burn::train::{
     TrainingModel,
 };
 
-use super::epoch::Trainer;
+use super::epoch::{Buffers, Trainer};
 use super::rank::{ModelOutput, Role, ValidOutput};
 use super::startup::Startup;
 use crate::ddp::DistributedDataParallel;
@@ -128,6 +128,10 @@ where
         trainer.config.clone(),
     )?;
     trainer.learner.load_model(model.into_record());
+    if trainer.buffers == Buffers::Shared {
+        // Every replica wrote the start-up values into the buffers the threads share.
+        ddp.settle_shared_buffers(&trainer.learner.model())?;
+    }
     if let (Some(sharded), Some(shards)) = (&mut trainer.sharded, ddp.optimizer_shards()) {
         sharded.start(
             shards.clone(),
@@ -174,7 +178,7 @@ where
     }
     // The trained model leaves this thread: the work behind its tensors must have run (see
     // `handoff.rs`), or the caller reads parameters the last steps have not written yet.
-    super::epoch::sync_device::<TrainingBackend<LC>>(
+    crate::ddp::sync_device::<TrainingBackend<LC>>(
         trainer.rank,
         &trainer.device,
         "the last optimizer step",
