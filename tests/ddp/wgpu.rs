@@ -142,22 +142,29 @@ fn training_in_threads_leaves_the_callers_model_as_it_was_and_repeats_bit_for_bi
     }
 }
 
+/// The places (registration order) and paths of `model`'s buffers: BatchNorm's statistics.
+fn buffers_of(model: &ExampleCnn<TestBackend>) -> Vec<(usize, String)> {
+    use burn_ddp::mechanism::{ReplicaLayout, TensorKind};
+    let layout = ReplicaLayout::of(model);
+    let places = layout.tensors().iter().enumerate();
+    places
+        .filter(|(_, spec)| spec.kind == TensorKind::Buffer)
+        .map(|(place, spec)| (place, spec.path.clone()))
+        .collect()
+}
+
 /// The example's CNN with deterministic weights and BatchNorm's statistics as Burn starts them
 /// (means 0, variances 1: a negative variance would make every validation loss NaN).
 fn cnn_with_fresh_statistics() -> ExampleCnn<TestBackend> {
-    use burn_ddp::mechanism::{ReplicaLayout, TensorKind};
-    use burn_ddp_tests::float_tensors;
     let model = ExampleCnn::<TestBackend>::deterministic(&device(), 3);
-    let mut values = float_tensors(&model);
-    for (spec, value) in ReplicaLayout::of(&model).tensors().iter().zip(&mut values) {
-        if spec.kind == TensorKind::Buffer {
-            let start = if spec.path.ends_with("running_var") {
-                1.0
-            } else {
-                0.0
-            };
-            value.fill(start);
-        }
+    let mut values = burn_ddp_tests::float_tensors(&model);
+    for (place, path) in buffers_of(&model) {
+        let start = if path.ends_with("running_var") {
+            1.0
+        } else {
+            0.0
+        };
+        values[place].fill(start);
     }
     with_values(model, &values)
 }
@@ -167,10 +174,9 @@ fn thread_replicas_validate_with_the_batchnorm_statistics_of_the_model_they_retu
     // BatchNorm's running statistics live in Burn's `RunningState`, which the clones of a model
     // share: with thread replicas, one thread averaged the others' pending statistics on its own
     // stream and the next thread read that average before it had run (the example's test
-    // accuracy in threads 75.08% in one run and 75.99% in the next, at the same training
-    // loss). Each
-    // validation batch's loss must be the one plain Burn computes with the trained model (the
-    // one `fit` returns, evaluated on one device), over two epochs.
+    // accuracy in threads 75.08% in one run and 75.99% in the next, at the same training loss).
+    // Each validation batch's loss must be the one plain Burn computes with the trained model
+    // (the one `fit` returns, evaluated on one device), over two epochs.
     let (steps, valid_batches) = (8, 6);
     let mut run = Run::new(Some(2), 32, steps * 32);
     run.seed = 11;
@@ -235,7 +241,6 @@ fn thread_replicas_fold_the_batchnorm_statistics_of_every_step_as_plain_burn_on_
     use burn::optim::SgdConfig;
     use burn::train::TrainStep;
     use burn_ddp::DistributedSampler;
-    use burn_ddp::mechanism::{ReplicaLayout, TensorKind};
     use burn_ddp_tests::float_tensors;
     let (steps, per_rank) = (24, 16);
     let train = synthetic_images(steps * 2 * per_rank, 5);
@@ -253,10 +258,7 @@ fn thread_replicas_fold_the_batchnorm_statistics_of_every_step_as_plain_burn_on_
     )
     .unwrap();
     // Plain Burn: every replica's forward pass on a model of its own.
-    let layout = ReplicaLayout::of(&initial());
-    let buffers: Vec<usize> = (0..layout.tensors().len())
-        .filter(|&i| layout.tensors()[i].kind == TensorKind::Buffer)
-        .collect();
+    let buffers = buffers_of(&initial());
     assert_eq!(
         buffers.len(),
         4,
@@ -281,7 +283,7 @@ fn thread_replicas_fold_the_batchnorm_statistics_of_every_step_as_plain_burn_on_
                 float_tensors(&replica.valid())
             })
             .collect();
-        for &b in &buffers {
+        for &(b, _) in &buffers {
             values[b] = folded[0][b]
                 .iter()
                 .zip(&folded[1][b])
@@ -289,7 +291,8 @@ fn thread_replicas_fold_the_batchnorm_statistics_of_every_step_as_plain_burn_on_
                 .collect();
         }
     }
-    for &b in &buffers {
+    for (b, path) in &buffers {
+        let b = *b;
         let worst = ddp[b]
             .iter()
             .zip(&values[b])
@@ -299,7 +302,7 @@ fn thread_replicas_fold_the_batchnorm_statistics_of_every_step_as_plain_burn_on_
             worst <= 1e-4,
             "`{}` after {steps} steps: off plain Burn's by {worst} (relative)\nburn-ddp: {:?}\n\
              plain Burn: {:?}",
-            layout.tensors()[b].path,
+            path,
             &ddp[b][..4.min(ddp[b].len())],
             &values[b][..4.min(values[b].len())]
         );
