@@ -91,10 +91,11 @@ fn parse_strategy(s: &str) -> Result<Strategy, String> {
         "threads" => Ok(Strategy::DdpThreads(n)),
         "threads-sharded" => Ok(Strategy::DdpThreadsSharded(n)),
         "processes" => Ok(Strategy::DdpProcesses(n)),
+        "processes-sharded" => Ok(Strategy::DdpProcessesSharded(n)),
         "mpi" => Ok(Strategy::DdpMpi(n)),
         _ => Err(format!(
             "unknown strategy `{s}` (single, multi-device-N, multi-device-sharded-N, threads-N, \
-             threads-sharded-N, processes-N, mpi-N)"
+             threads-sharded-N, processes-N, processes-sharded-N, mpi-N)"
         )),
     }
 }
@@ -119,6 +120,9 @@ enum Command {
         /// store.
         #[arg(long)]
         mpi: bool,
+        /// Shard the optimizer state and the gradients (ZeRO-2).
+        #[arg(long)]
+        sharded: bool,
     },
     /// (Internal) one rank of the MpiGroup all-reduce sweep, started by `mpirun`; rank 0 prints
     /// `{"seconds": [...]}`.
@@ -143,6 +147,7 @@ fn main() -> ExitCode {
             windows,
             out,
             mpi,
+            sharded,
         }) => {
             let plan = Plan {
                 global_batch,
@@ -150,7 +155,7 @@ fn main() -> ExitCode {
                 window_steps: window,
                 windows,
             };
-            return worker(&model, &plan, &out, mpi);
+            return worker(&model, &plan, &out, mpi, sharded);
         }
         Some(Command::MpiSweep { sizes, budget_ms }) => {
             return mpi_sweep(&sizes, Duration::from_millis(budget_ms));
@@ -190,7 +195,7 @@ fn join(mpi: bool) -> Result<Arc<dyn ProcessGroup>, String> {
         .map_err(|e| e.to_string())
 }
 
-fn worker(model: &str, plan: &Plan, out: &PathBuf, mpi: bool) -> ExitCode {
+fn worker(model: &str, plan: &Plan, out: &PathBuf, mpi: bool, sharded: bool) -> ExitCode {
     let Some(kind) = ModelKind::parse(model) else {
         eprintln!("ddp-bench worker: unknown model {model}");
         return ExitCode::FAILURE;
@@ -204,10 +209,10 @@ fn worker(model: &str, plan: &Plan, out: &PathBuf, mpi: bool) -> ExitCode {
     };
     let rank = group.rank();
     let n = group.world_size();
-    let strategy = if mpi {
-        Strategy::DdpMpi(n)
-    } else {
-        Strategy::DdpProcesses(n)
+    let strategy = match (mpi, sharded) {
+        (true, _) => Strategy::DdpMpi(n),
+        (false, true) => Strategy::DdpProcessesSharded(n),
+        (false, false) => Strategy::DdpProcesses(n),
     };
     let result = training::run(kind, strategy, plan, Some(group));
     if rank == 0 {
@@ -288,6 +293,9 @@ fn processes(kind: ModelKind, strategy: Strategy, plan: &Plan) -> Throughput {
     let mut args = vec!["worker".to_string()];
     if mpi {
         args.push("--mpi".into());
+    }
+    if matches!(strategy, Strategy::DdpProcessesSharded(_)) {
+        args.push("--sharded".into());
     }
     for (flag, value) in [
         ("--model", kind.arg().to_string()),
@@ -401,6 +409,7 @@ fn bench(cli: &Cli) -> Results {
             Strategy::DdpThreads(2),
             Strategy::DdpThreadsSharded(2),
             Strategy::DdpProcesses(2),
+            Strategy::DdpProcessesSharded(2),
         ];
         if cfg!(feature = "mpi") {
             strategies.push(Strategy::DdpMpi(2));
@@ -430,9 +439,9 @@ fn bench(cli: &Cli) -> Results {
                         round + 1
                     );
                     let result = match strategy {
-                        Strategy::DdpProcesses(_) | Strategy::DdpMpi(_) => {
-                            processes(kind, strategy, &plan)
-                        }
+                        Strategy::DdpProcesses(_)
+                        | Strategy::DdpProcessesSharded(_)
+                        | Strategy::DdpMpi(_) => processes(kind, strategy, &plan),
                         _ => training::run(kind, strategy, &plan, None),
                     };
                     eprintln!("  {:.1} samples/s", result.samples_per_second);

@@ -148,7 +148,7 @@ impl Results {
         );
         let _ = writeln!(
             md,
-            "| model | strategy | N | samples/s | vs 1 device | efficiency / overhead | step split ms (compute / flatten / all-reduce / unflatten / agreement / optimizer) | collectives per step | optimizer state per rank |"
+            "| model | strategy | N | samples/s | vs 1 device | efficiency / overhead | step split ms (compute / flatten / all-reduce / unflatten / agreement / optimizer) | collectives (MiB sent) per step | optimizer state per rank |"
         );
         let _ = writeln!(
             md,
@@ -188,11 +188,13 @@ impl Results {
                     s.optimizer_ms
                 )
             });
-            let collectives = t
-                .split
-                .as_ref()
-                .and_then(|s| s.collectives_per_step)
-                .map_or("-".into(), |c| format!("{c:.2}"));
+            let collectives = t.split.as_ref().map_or("-".into(), |s| {
+                match (s.collectives_per_step, s.sent_mib_per_step) {
+                    (Some(c), Some(m)) => format!("{c:.2} ({m:.1})"),
+                    (Some(c), None) => format!("{c:.2}"),
+                    _ => "-".into(),
+                }
+            });
             let state = t
                 .optimizer_state_mib
                 .map_or("-".into(), |m| format!("{m:.1} MiB"));
@@ -549,6 +551,7 @@ impl Results {
                     t.model.name(),
                     match t.strategy {
                         Strategy::DdpProcesses(_) => "proc",
+                        Strategy::DdpProcessesSharded(_) => "proc-zero2",
                         Strategy::DdpMpi(_) => "mpi",
                         Strategy::DdpThreadsSharded(_) => "zero1",
                         _ => "thr",

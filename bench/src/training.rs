@@ -46,6 +46,8 @@ pub enum Strategy {
     DdpThreadsSharded(usize),
     /// burn-ddp, replicas as processes over `TcpGroup`.
     DdpProcesses(usize),
+    /// burn-ddp, processes over `TcpGroup`, optimizer state and gradients sharded (ZeRO-2).
+    DdpProcessesSharded(usize),
     /// burn-ddp, replicas as the processes of `mpirun` over `MpiGroup` (feature `mpi`).
     DdpMpi(usize),
 }
@@ -60,6 +62,7 @@ impl Strategy {
             | Strategy::DdpThreads(n)
             | Strategy::DdpThreadsSharded(n)
             | Strategy::DdpProcesses(n)
+            | Strategy::DdpProcessesSharded(n)
             | Strategy::DdpMpi(n) => n,
         }
     }
@@ -73,6 +76,9 @@ impl Strategy {
             Strategy::DdpThreads(_) => "burn-ddp threads",
             Strategy::DdpThreadsSharded(_) => "burn-ddp threads, sharded optimizer",
             Strategy::DdpProcesses(_) => "burn-ddp processes (TCP)",
+            Strategy::DdpProcessesSharded(_) => {
+                "burn-ddp processes (TCP), sharded optimizer and gradients"
+            }
             Strategy::DdpMpi(_) => "burn-ddp processes (MPI)",
         }
     }
@@ -116,6 +122,10 @@ pub struct StepSplit {
     /// versions that did not count them.
     #[serde(default)]
     pub collectives_per_step: Option<f64>,
+    /// MiB rank 0 sent per step (`RankReport::bus_bytes_per_step`: a bandwidth-optimal
+    /// algorithm's count; none for tensors shared by reference).
+    #[serde(default)]
+    pub sent_mib_per_step: Option<f64>,
 }
 
 /// One run's result.
@@ -384,13 +394,21 @@ where
         Strategy::DdpThreads(_)
         | Strategy::DdpThreadsSharded(_)
         | Strategy::DdpProcesses(_)
+        | Strategy::DdpProcessesSharded(_)
         | Strategy::DdpMpi(_) => {
             let ddp = match group {
                 // The windows are timed by rank 0's renderer: in process mode it must hear of
                 // every step as it ends, not of 20 at once (the default metrics interval). That
                 // costs two small all-gathers per step, counted in the figures.
-                Some(group) => DdpStrategy::with_process_group(device, group)
-                    .with_config(burn_ddp::DdpConfig::default().with_metrics_every(1)),
+                Some(group) => {
+                    let sharded = matches!(strategy, Strategy::DdpProcessesSharded(_));
+                    DdpStrategy::with_process_group(device, group).with_config(
+                        burn_ddp::DdpConfig::default()
+                            .with_metrics_every(1)
+                            .with_optimizer_sharding(sharded)
+                            .with_gradient_sharding(sharded),
+                    )
+                }
                 None => DdpStrategy::new(vec![device; n]).with_config(
                     burn_ddp::DdpConfig::default().with_optimizer_sharding(matches!(
                         strategy,
@@ -417,7 +435,7 @@ where
     let windows = windows(&ticks, plan);
     let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
     let optimizer_state_mib = match strategy {
-        Strategy::DdpThreadsSharded(_) => report
+        Strategy::DdpThreadsSharded(_) | Strategy::DdpProcessesSharded(_) => report
             .as_ref()
             .and_then(|r| r.ranks.iter().filter_map(|rank| rank.optimizer_state).max())
             .map(mib),
@@ -435,6 +453,7 @@ where
             agreement_ms: ms(rank.coordination),
             optimizer_ms: ms(rank.optimizer),
             collectives_per_step: Some(rank.collectives_per_step()),
+            sent_mib_per_step: Some(rank.bus_bytes_per_step() / (1024.0 * 1024.0)),
         }
     });
     Throughput {

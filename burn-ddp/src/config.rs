@@ -69,6 +69,8 @@ pub struct DdpConfig {
     summary: bool,
     spike_factor: f64,
     optimizer_sharding: bool,
+    gradient_sharding: bool,
+    shared_memory_reduction: bool,
     metrics_file: Option<std::path::PathBuf>,
 }
 
@@ -99,6 +101,8 @@ impl PartialEq for DdpConfig {
             && self.summary == other.summary
             && self.spike_factor.to_bits() == other.spike_factor.to_bits()
             && self.optimizer_sharding == other.optimizer_sharding
+            && self.gradient_sharding == other.gradient_sharding
+            && self.shared_memory_reduction == other.shared_memory_reduction
             && self.metrics_file == other.metrics_file
     }
 }
@@ -191,6 +195,8 @@ impl Default for DdpConfig {
             summary: true,
             spike_factor: DEFAULT_SPIKE_FACTOR,
             optimizer_sharding: false,
+            gradient_sharding: false,
+            shared_memory_reduction: true,
             metrics_file: None,
         }
     }
@@ -445,6 +451,57 @@ impl DdpConfig {
         self.optimizer_sharding
     }
 
+    /// Shards the reduced gradients too (ZeRO stage 2; DeepSpeed's stage 2, FSDP's
+    /// `SHARD_GRAD_OP`), on top of [`with_optimizer_sharding`](Self::with_optimizer_sharding):
+    /// the ranks' gradients are reduce-scattered by owner instead of all-reduced, so each rank
+    /// receives only the reduced gradients of the parameters it owns and steps, and a ring moves
+    /// half the bytes of an all-reduce for them (with the parameters' all-gather, a sharded step
+    /// then moves what plain DDP's all-reduce does, where it moved 1.5 times that;
+    /// [`RankReport::bus_bytes_per_step`](crate::metrics::RankReport::bus_bytes_per_step)). The
+    /// NaN check and [`with_clip_grad_norm`](Self::with_clip_grad_norm) still see every
+    /// gradient (each owner's part, gathered). The model's `optimize` receives only this rank's
+    /// own gradients: clip with [`with_clip_grad_norm`](Self::with_clip_grad_norm), not inside
+    /// `optimize`, and do not read the other parameters' gradients there. Host buckets only
+    /// (every CPU group; thread replicas on one device already reduce by owner, see
+    /// [`with_shared_memory_reduction`](Self::with_shared_memory_reduction), and NCCL all-reduces
+    /// device buckets); with a communication hook or gradient compression the gradients are
+    /// all-reduced and then dropped. Default `false`.
+    ///
+    /// # Errors
+    /// [`validate`](Self::validate) refuses it without optimizer-state sharding.
+    pub fn with_gradient_sharding(mut self, shard: bool) -> Self {
+        self.gradient_sharding = shard;
+        self
+    }
+
+    /// Whether the reduced gradients are sharded
+    /// ([`with_gradient_sharding`](Self::with_gradient_sharding)).
+    pub fn gradient_sharding(&self) -> bool {
+        self.gradient_sharding
+    }
+
+    /// Lets replicas that are threads of one process on one device (every CPU replica of a
+    /// thread run; several replicas on one GPU) hand each other their tensors by reference
+    /// instead of copying them through host buckets: each rank sums the gradients of the
+    /// parameters it owns over every replica with the backend's own tensor ops and every replica
+    /// takes the reduced tensors as they are (see [`Reducer`](crate::mechanism::Reducer)); under
+    /// optimizer-state sharding each rank also takes the others' updated parameters as they are,
+    /// instead of an all-gather. The results are those of the host buckets up to the rounding of
+    /// the sum (the ranks are summed in rank order). Ranks in separate processes, or threads on
+    /// different devices, find out at the first step and use the host buckets; a communication
+    /// hook or gradient compression keeps the host buckets too. Default `true`; `false` keeps
+    /// the host buckets everywhere (to compare). Every rank must use the same setting.
+    pub fn with_shared_memory_reduction(mut self, shared: bool) -> Self {
+        self.shared_memory_reduction = shared;
+        self
+    }
+
+    /// Whether thread replicas on one device share tensors
+    /// ([`with_shared_memory_reduction`](Self::with_shared_memory_reduction)).
+    pub fn shared_memory_reduction(&self) -> bool {
+        self.shared_memory_reduction
+    }
+
     /// Rank 0 appends the run's figures to `path` as JSON Lines, for plotting: one line per
     /// training step as rank 0 reports it to burn-train (`{"kind":"step","epoch","step",
     /// "samples","samples_per_s","lr","loss","step_ms","compute_ms","optimizer_ms",
@@ -562,7 +619,7 @@ impl DdpConfig {
     /// across ranks at start-up.
     pub(crate) fn semantics_fingerprint(&self) -> u64 {
         let text = format!(
-            "{} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {} {} {}",
+            "{} {} {:?} {:?} {:?} {:?} {:?} {:?} {:?} {} {} {} {} {}",
             self.bucket_cap_bytes,
             self.first_bucket_cap_bytes,
             self.clip_grad_norm.map(f32::to_bits),
@@ -575,8 +632,11 @@ impl DdpConfig {
             // Both run collectives at their cadence.
             self.consistency_check_every,
             self.checkpoint_every,
-            // The parameters' all-gather runs every step.
-            self.optimizer_sharding
+            // The parameters' all-gather runs every step; the gradients are reduce-scattered.
+            self.optimizer_sharding,
+            self.gradient_sharding,
+            // Thread replicas exchange tensors instead of running an all-reduce.
+            self.shared_memory_reduction
         );
         text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
             (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
@@ -600,7 +660,8 @@ impl DdpConfig {
     ///
     /// # Errors
     /// [`DdpError::InvalidConfig`] for a zero timeout, a zero bucket cap, a clipping norm that
-    /// is not positive and finite, or a spike factor not above 1.
+    /// is not positive and finite, a spike factor not above 1, or gradient sharding without
+    /// optimizer-state sharding.
     pub fn validate(&self) -> Result<()> {
         if self.timeout.is_zero() || self.epoch_end_timeout.is_zero() {
             return Err(DdpError::InvalidConfig(format!(
@@ -626,6 +687,14 @@ impl DdpConfig {
                 "the spike factor must be finite and above 1, got {}",
                 self.spike_factor
             )));
+        }
+        if self.gradient_sharding && !self.optimizer_sharding {
+            return Err(DdpError::InvalidConfig(
+                "gradient sharding (with_gradient_sharding) needs optimizer-state sharding \
+                 (with_optimizer_sharding(true)): the gradients go to the ranks that own and \
+                 step their parameters"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -664,6 +733,12 @@ impl fmt::Display for DdpConfig {
         }
         if self.optimizer_sharding {
             f.write_str(", optimizer state sharded")?;
+        }
+        if self.gradient_sharding {
+            f.write_str(", gradients reduce-scattered")?;
+        }
+        if !self.shared_memory_reduction {
+            f.write_str(", host buckets for thread replicas")?;
         }
         if self.validation == Validation::Rank0 {
             f.write_str(", validation on rank 0")?;

@@ -139,7 +139,16 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     ) -> Result<(Self, M)> {
         let rank = crate::context::hold_rank(group.rank(), group.world_size());
         let layout = ReplicaLayout::of(&module);
-        let reducer = Reducer::new(group.clone(), &layout, &config)?;
+        let mut reducer = Reducer::new(group.clone(), &layout, &config)?;
+        let shards = config.optimizer_sharding().then(|| {
+            OptimizerShards::new(&layout, group.rank(), group.world_size())
+                .sharing(config.shared_memory_reduction())
+                .gradients_sharded(config.gradient_sharding())
+        });
+        if let Some(shards) = &shards {
+            // ZeRO stage 2: each rank receives its own parameters' reduced gradients only.
+            reducer.scatter_by(shards.owners().into());
+        }
         let module = broadcast_autodiff_module(module, group.as_ref(), 0, config.timeout())?;
         Ok((
             Self {
@@ -147,9 +156,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
                 device: device.clone(),
                 syncs: 0,
                 probe: Probe::new(&layout),
-                shards: config
-                    .optimizer_sharding()
-                    .then(|| OptimizerShards::new(&layout, group.rank(), group.world_size())),
+                shards,
                 last_drawn: None,
                 weighed: None,
                 _rank: rank,
@@ -437,12 +444,16 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         }
         let group = self.reducer.group();
         let (rank, timeout) = (group.rank(), self.config.timeout());
-        sync_device::<B>(rank, &self.device, "this replica's buffer updates")?;
+        crate::replica::sync_device::<B>(rank, &self.device, "this replica's buffer updates")?;
         group.barrier(timeout)?;
         if rank == 0 {
             // `valid()` folds every thread's pending update into the shared value.
             let _ = module.valid();
-            sync_device::<B>(rank, &self.device, "folding the replicas' buffer updates")?;
+            crate::replica::sync_device::<B>(
+                rank,
+                &self.device,
+                "folding the replicas' buffer updates",
+            )?;
         }
         group.barrier(timeout)
     }
@@ -507,7 +518,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         let stepped = crate::sharding::trainable_places(&module);
         shards.keep_own(&module, &mut grads);
         let module = optim.step(lr, module, grads);
-        let (module, gathered) = shards.gather_stepped(
+        let (module, gathered) = shards.exchange_stepped(
             module,
             &stepped,
             self.reducer.group().as_ref(),
@@ -680,20 +691,4 @@ fn custom_loop_settings(config: &DdpConfig) -> Result<()> {
         ))),
         None => Ok(()),
     }
-}
-
-/// Waits until the work queued on `device` by this thread has run (a no-op on the CPU backends).
-///
-/// # Errors
-/// [`DdpError::Device`] naming the rank and `operation` when the backend reports that it failed.
-pub(crate) fn sync_device<B: burn::tensor::backend::Backend>(
-    rank: usize,
-    device: &B::Device,
-    operation: &str,
-) -> Result<()> {
-    B::sync(device).map_err(|e| DdpError::Device {
-        rank,
-        operation: operation.to_string(),
-        detail: format!("{e:?}"),
-    })
 }

@@ -108,6 +108,12 @@ pub struct RankReport {
     /// averaging, SyncBatchNorm, checks, the stop votes, and in join mode the per-step agreement
     /// (see [`collectives_per_step`](Self::collectives_per_step)).
     pub step_collectives: u64,
+    /// Bytes this rank sent in those collectives, as a bandwidth-optimal algorithm sends them
+    /// (nccl-tests' bus bytes: an all-reduce of `S` bytes `2 (N - 1) / N * S`, a reduce-scatter
+    /// or all-gather of `S` bytes in all `(N - 1) / N * S`); NCCL's device all-reduces and thread
+    /// replicas sharing tensors by reference count none. See
+    /// [`bus_bytes_per_step`](Self::bus_bytes_per_step).
+    pub step_bus_bytes: u64,
     /// Wall time of this rank's training loops (from the first batch of each epoch to its last;
     /// validation excluded): what [`utilization`](Self::utilization) divides by.
     pub train_time: Duration,
@@ -132,7 +138,7 @@ pub struct RankReport {
 
 impl RankReport {
     /// Words of [`to_words`](Self::to_words).
-    pub(crate) const WORDS: usize = 27;
+    pub(crate) const WORDS: usize = 28;
 
     /// The report as fixed-length words, for gathering every process's report on rank 0.
     pub(crate) fn to_words(&self) -> Vec<u64> {
@@ -166,6 +172,7 @@ impl RankReport {
             self.device_memory.unwrap_or(u64::MAX),
             c.transfers_to_host,
             c.transfers_to_device,
+            self.step_bus_bytes,
         ]
     }
 
@@ -183,6 +190,7 @@ impl RankReport {
             optimizer: d(w[4]),
             skipped_steps: w[5],
             step_collectives: w[6],
+            step_bus_bytes: w[27],
             train_time: d(w[7]),
             comm: CommStats {
                 steps: w[8],
@@ -224,6 +232,14 @@ impl RankReport {
     /// steps.
     pub fn collectives_per_step(&self) -> f64 {
         self.step_collectives as f64 / self.comm.steps.max(1) as f64
+    }
+
+    /// [`step_bus_bytes`](Self::step_bus_bytes) per gradient synchronisation: for plain DDP
+    /// about `2 (N - 1) / N` times the gradients' bytes; with the optimizer sharded on separate
+    /// ranks (gradients reduce-scattered, parameters all-gathered) about `2 (N - 1) / N` times
+    /// too, where sharding with an all-reduce moved `3 (N - 1) / N`.
+    pub fn bus_bytes_per_step(&self) -> f64 {
+        self.step_bus_bytes as f64 / self.comm.steps.max(1) as f64
     }
 }
 
@@ -281,7 +297,7 @@ impl fmt::Display for TrainingReport {
                 f,
                 "  rank {}: {} batches, compute {:.2} s, gradient sync {:.2} s (all-reduce {:.2} s, \
                  flatten {:.2} s, unflatten {:.2} s, {:.1} MiB), agreement {:.2} s, optimizer {:.2} s, \
-                 {:.2} collectives per step",
+                 {:.2} collectives per step ({} sent)",
                 r.rank,
                 r.batches,
                 r.compute.as_secs_f64(),
@@ -293,6 +309,7 @@ impl fmt::Display for TrainingReport {
                 r.coordination.as_secs_f64(),
                 r.optimizer.as_secs_f64(),
                 r.collectives_per_step(),
+                mib(r.bus_bytes_per_step() as u64),
             )?;
             writeln!(
                 f,
@@ -492,6 +509,7 @@ mod tests {
             optimizer: ms(300),
             skipped_steps: 1,
             step_collectives: 44,
+            step_bus_bytes: 3 << 30,
             train_time: ms(2000),
             comm: CommStats {
                 steps: 40,

@@ -109,13 +109,31 @@ fn two_and_four_processes_end_with_the_parameters_of_the_same_run_with_threads()
         assert!(reports[0].workers.iter().all(|(_, _, exit)| exit.success()));
         let processes = read_tensors(&out).unwrap();
 
-        let mut ddp_config = DdpConfig::default();
+        // Threads through host buckets, as the processes: the same ring order of the sums.
+        let mut ddp_config = DdpConfig::default().with_shared_memory_reduction(false);
         if let Some((first, rest)) = caps {
             ddp_config = ddp_config
                 .with_first_bucket_cap_bytes(first)
                 .with_bucket_cap_bytes(rest);
         }
-        let (threads, report) = train_example_cnn(None, n, 2, 1, ddp_config).unwrap();
+        let (threads, report) = train_example_cnn(None, n, 2, 1, ddp_config.clone()).unwrap();
+        // Threads sharing their tensors (the default) sum in rank order: the same bits on 2
+        // ranks (a sum of two is the same either way), the same up to rounding on 4.
+        let (shared, _) =
+            train_example_cnn(None, n, 2, 1, ddp_config.with_shared_memory_reduction(true))
+                .unwrap();
+        for (s, t) in shared.iter().zip(&threads) {
+            for (a, b) in s.iter().zip(t) {
+                assert!(
+                    if n == 2 {
+                        a.to_bits() == b.to_bits()
+                    } else {
+                        (a - b).abs() <= 1e-5 * b.abs().max(1.0)
+                    },
+                    "{n} shared-tensor threads: {a} vs the host buckets' {b}"
+                );
+            }
+        }
         let buckets = report.unwrap().ranks[0].comm.buckets / 2;
         assert_eq!(buckets > 1, caps.is_some(), "{buckets} bucket(s) per step");
         assert_eq!(processes.len(), threads.len());

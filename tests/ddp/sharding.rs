@@ -233,3 +233,77 @@ fn an_optimizer_not_wrapped_for_sharding_is_refused_at_the_first_step() {
         other => panic!("expected the refusal, got {:?}", other.map(|_| ())),
     }
 }
+
+/// `model` trained on 2 ranks through host buckets (threads with shared tensors turned off, as
+/// processes would) with `config`, clipped to the global norm 0.05: its trained tensors, and
+/// the bytes rank 0 sent per step.
+fn host_bucket_run(model: Mlp<TestBackend>, config: DdpConfig) -> (Vec<Vec<f32>>, f64) {
+    let mut run = run(Some(2));
+    run.config = config
+        .with_shared_memory_reduction(false)
+        .with_clip_grad_norm(0.05);
+    let (tensors, report) = run_training(model, ShardedOptimizer::new(adam()), 1e-2, &run).unwrap();
+    let report = report.expect("a DdpStrategy report");
+    (tensors, report.ranks[0].bus_bytes_per_step())
+}
+
+#[test]
+fn reduce_scattered_gradients_train_as_one_device_and_move_a_third_less() {
+    let model = materialized(Mlp::new(&device()));
+    let model_for_layout = model.clone();
+    let initial = float_tensors(&model);
+    // One device clips in a wrapper around Burn's optimizer: the same global norm.
+    let clipped = GlobalNormClipped {
+        inner: adam(),
+        max_norm: 0.05,
+    };
+    let (one, _) = run_training(model.clone(), clipped, 1e-2, &run(None)).unwrap();
+    let (plain, plain_bytes) = host_bucket_run(model.clone(), DdpConfig::default());
+    let zero1 = DdpConfig::default().with_optimizer_sharding(true);
+    let (zero1, zero1_bytes) = host_bucket_run(model.clone(), zero1);
+    let (zero2, zero2_bytes) = host_bucket_run(
+        model,
+        DdpConfig::default()
+            .with_optimizer_sharding(true)
+            .with_gradient_sharding(true),
+    );
+    assert_as_one_device("plain DDP", &one, &plain, &initial);
+    assert_as_one_device("ZeRO-1", &one, &zero1, &initial);
+    assert_as_one_device("ZeRO-2", &one, &zero2, &initial);
+    // On 2 ranks (bus bytes, see RankReport::step_bus_bytes) an all-reduce of the gradients
+    // sends their bytes G; the parameters' all-gather sends the larger owner's share S (whole
+    // tensors: S = G / 2 only for a model that splits evenly); the gradients' reduce-scatter
+    // the larger block, S too. Around them: the bookkeeping every bucket carries, the checks'
+    // and the stepped tensors' small all-gathers (under 64 bytes a step), and each epoch's
+    // end-of-data check, one more reduction that is not a step (so within a fifth).
+    let layout = burn_ddp::mechanism::ReplicaLayout::of(&model_for_layout);
+    let shards = burn_ddp::mechanism::OptimizerShards::new(&layout, 0, 2);
+    let share = *shards.bytes_per_rank().iter().max().unwrap() as f64;
+    let gradients = 4.0 * initial.iter().map(Vec::len).sum::<usize>() as f64;
+    let report = format!(
+        "G {gradients} B, S {share} B; bytes per step: plain {plain_bytes:.0}, ZeRO-1 \
+         {zero1_bytes:.0}, ZeRO-2 {zero2_bytes:.0}"
+    );
+    // ZeRO-1 adds the all-gather to plain DDP's all-reduce.
+    assert!(
+        (zero1_bytes - plain_bytes - share).abs() < 64.0 + 0.2 * share,
+        "{report}"
+    );
+    // ZeRO-2 sends the reduce-scatter instead of the all-reduce: G - S less.
+    assert!(
+        (zero1_bytes - zero2_bytes - (gradients - share)).abs() < 64.0 + 0.2 * (gradients - share),
+        "{report}"
+    );
+}
+
+#[test]
+fn gradient_sharding_without_optimizer_sharding_is_refused() {
+    let model = materialized(Mlp::new(&device()));
+    let mut run = run(Some(2));
+    run.config = DdpConfig::default().with_gradient_sharding(true);
+    let err = run_training(model, adam(), 1e-2, &run).unwrap_err();
+    assert!(
+        matches!(&err, DdpError::InvalidConfig(m) if m.contains("with_optimizer_sharding")),
+        "{err}"
+    );
+}

@@ -60,6 +60,13 @@ pub enum Collective {
         /// Number of `f32` elements each rank receives.
         len: usize,
     },
+    /// Every rank contributes one value shared by reference (no bytes copied) and receives every
+    /// rank's: ranks that share one address space (threads of one process) only. With `then`, a
+    /// second phase: each rank's result computed from every value goes to every rank too.
+    AllGatherShared {
+        /// The call has a second phase.
+        then: bool,
+    },
     /// In-place all-reduce of `len` 16-bit floats.
     AllReduceHalf {
         /// The reduction.
@@ -131,6 +138,7 @@ impl Collective {
             ),
             Collective::AllGatherF32 { len } => (6, len as u64, 0),
             Collective::ReduceScatter { op, len } => (7, len as u64, op_code(op)),
+            Collective::AllGatherShared { then } => (8, 0, u64::from(then)),
         }
     }
 
@@ -163,6 +171,7 @@ impl Collective {
             },
             6 => Collective::AllGatherF32 { len },
             7 => Collective::ReduceScatter { op: op(arg), len },
+            8 => Collective::AllGatherShared { then: arg == 1 },
             _ => return None,
         })
     }
@@ -177,6 +186,7 @@ impl Collective {
             Collective::AllReduceHalf { .. } => "all_reduce_half",
             Collective::AllGatherF32 { .. } => "all_gather_f32",
             Collective::ReduceScatter { .. } => "reduce_scatter",
+            Collective::AllGatherShared { .. } => "all_gather_shared",
         }
     }
 }
@@ -196,6 +206,10 @@ impl fmt::Display for Collective {
             Collective::AllGatherF32 { len } => write!(f, "all_gather_f32({len} f32)"),
             Collective::ReduceScatter { op, len } => {
                 write!(f, "reduce_scatter({op}, {len} f32 per rank)")
+            }
+            Collective::AllGatherShared { then: false } => f.write_str("all_gather_shared"),
+            Collective::AllGatherShared { then: true } => {
+                f.write_str("all_gather_shared(then a second phase)")
             }
         }
     }

@@ -8,11 +8,25 @@
 //! saving on the wire).
 
 use std::any::Any;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::collective::{HalfFloat, ReduceOp};
 use super::{ProcessGroup, reduce_widened};
 use crate::error::{DdpError, Result};
+
+/// A value one rank hands to the others by reference in
+/// [`all_gather_shared`](ExtendedCollectives::all_gather_shared): tensors (Burn's tensors are
+/// values behind reference counts) or anything else a thread may share.
+pub(crate) type SharedValue = Arc<dyn Any + Send + Sync>;
+
+/// The second phase of [`all_gather_shared`](ExtendedCollectives::all_gather_shared): this
+/// rank's result from every rank's value.
+pub(crate) type Then<'a> = &'a mut dyn FnMut(&[SharedValue]) -> SharedValue;
+
+/// What [`all_gather_shared`](ExtendedCollectives::all_gather_shared) gives every rank: every
+/// rank's value, and every rank's result of the second phase (empty without one).
+pub(crate) type SharedGather = (Vec<SharedValue>, Vec<SharedValue>);
 
 /// Keeps [`Native`] to the crate's own groups.
 mod sealed {
@@ -66,6 +80,18 @@ pub trait Native: ProcessGroup + Sealed {
         timeout: Duration,
     ) -> Result<()> {
         scatter_after_all_reduce(self, send, recv, op, timeout)
+    }
+
+    /// As [`ExtendedCollectives::all_gather_shared`]; by default `Ok(None)` (ranks in separate
+    /// address spaces).
+    fn all_gather_shared(
+        &self,
+        value: SharedValue,
+        then: Option<Then<'_>>,
+        timeout: Duration,
+    ) -> Result<Option<SharedGather>> {
+        let _ = (value, then, timeout);
+        Ok(None)
     }
 }
 
@@ -142,6 +168,31 @@ pub trait ExtendedCollectives {
         op: ReduceOp,
         timeout: Duration,
     ) -> Result<()>;
+
+    /// Every rank's `value` to every rank, by reference: `Some((values, results))`, indexed by
+    /// rank (this rank's own included), when the ranks share one address space
+    /// ([`ThreadGroup`]: the values are `Arc` clones, no byte is copied); `Ok(None)`, without
+    /// communicating, on a group whose ranks are separate processes (the fallback). The same
+    /// answer on every rank of a group, so every rank takes the same path.
+    ///
+    /// With `then`, one collective of two phases, as an all-reduce is a reduce-scatter and an
+    /// all-gather: each rank runs `then` on every rank's value (its share of the work) and its
+    /// result goes to every rank in `results`; without, `results` is empty. Every rank must pass
+    /// `then` or none alike. Thread replicas on one device exchange gradient and parameter
+    /// tensors with it instead of copying them through buckets.
+    ///
+    /// [`ThreadGroup`]: super::ThreadGroup
+    ///
+    /// # Errors
+    /// As [`all_reduce`](ProcessGroup::all_reduce) (a rank that does not call it: `Timeout`,
+    /// another collective: `Mismatch`); a rank whose `then` panicked aborts the group (its
+    /// peers: `Aborted`) and the panic goes on on its thread.
+    fn all_gather_shared(
+        &self,
+        value: SharedValue,
+        then: Option<Then<'_>>,
+        timeout: Duration,
+    ) -> Result<Option<SharedGather>>;
 }
 
 impl<G: ProcessGroup + ?Sized> ExtendedCollectives for G {
@@ -191,6 +242,18 @@ impl<G: ProcessGroup + ?Sized> ExtendedCollectives for G {
         match self.native() {
             Some(native) => native.reduce_scatter(send, recv, op, timeout),
             None => scatter_after_all_reduce(self, send, recv, op, timeout),
+        }
+    }
+
+    fn all_gather_shared(
+        &self,
+        value: SharedValue,
+        then: Option<Then<'_>>,
+        timeout: Duration,
+    ) -> Result<Option<SharedGather>> {
+        match self.native() {
+            Some(native) => native.all_gather_shared(value, then, timeout),
+            None => Ok(None),
         }
     }
 }

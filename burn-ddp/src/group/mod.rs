@@ -40,8 +40,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 pub use collective::{Collective, HalfFloat, ReduceOp};
-pub(crate) use extension::Sealed;
 pub use extension::{ExtendedCollectives, Native};
+pub(crate) use extension::{Sealed, SharedGather, SharedValue, Then};
 #[cfg(feature = "mpi")]
 pub use mpi::{MPI_ABORT_EXIT_CODE, MpiGroup, launched_by_mpi};
 #[cfg(test)]

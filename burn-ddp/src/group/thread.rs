@@ -622,6 +622,76 @@ impl Native for ThreadGroup {
         unsafe { reduce_into(&addrs, self.rank, range, recv, op) };
         self.end_phase(call, Next::Local)
     }
+
+    fn all_gather_shared(
+        &self,
+        value: super::SharedValue,
+        then: Option<super::Then<'_>>,
+        timeout: Duration,
+    ) -> Result<Option<super::SharedGather>> {
+        let phases = Collective::AllGatherShared {
+            then: then.is_some(),
+        };
+        let call = self.begin(phases, timeout);
+        if self.shared.world_size == 1 {
+            self.check_not_aborted(call)?;
+            let values = vec![value];
+            let results = then.map(|then| vec![then(&values)]).unwrap_or_default();
+            return Ok(Some((values, results)));
+        }
+        let slots = Slots {
+            value,
+            result: std::sync::OnceLock::new(),
+        };
+        let st = self.post_and_match(call, &slots as *const Slots as usize, Next::Data)?;
+        let addrs = Self::peer_addrs(&st);
+        drop(st);
+        // SAFETY: every rank posted the address of its own `Slots`, alive until the last barrier
+        // of this collective; a peer's value is only read (an `Arc` clone touches its count).
+        let peer = |addr: usize| unsafe { &*(addr as *const Slots) };
+        let values: Vec<super::SharedValue> =
+            addrs.iter().map(|&a| peer(a).value.clone()).collect();
+        let Some(then) = then else {
+            self.end_phase(call, Next::Local)?;
+            return Ok(Some((values, Vec::new())));
+        };
+        // This rank's share of the work, between the two phases. A panic in it must not leave
+        // the peers waiting for this rank's result: the group is aborted, the phase ended, and
+        // the panic goes on.
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| then(&values))) {
+            Ok(result) => {
+                let _ = slots.result.set(result);
+            }
+            Err(panic) => {
+                self.abort(&format!(
+                    "its thread panicked inside {} #{}",
+                    call.op, call.seq
+                ));
+                let _ = self.end_phase(call, Next::Local);
+                std::panic::resume_unwind(panic);
+            }
+        }
+        // The results were set before this barrier, under its lock.
+        self.end_phase(call, Next::Data)?;
+        let results: Option<Vec<super::SharedValue>> = addrs
+            .iter()
+            .map(|&a| peer(a).result.get().cloned())
+            .collect();
+        self.end_phase(call, Next::Local)?;
+        results
+            .map(|results| Some((values, results)))
+            .ok_or_else(|| {
+                // Unreachable: every rank sets its result before the barrier.
+                aborted(call, "a rank reached the second phase without its result")
+            })
+    }
+}
+
+/// What a rank posts for [`Native::all_gather_shared`]: its value, and its result of the
+/// second phase, set before the barrier that starts it.
+struct Slots {
+    value: super::SharedValue,
+    result: std::sync::OnceLock<super::SharedValue>,
 }
 
 impl Drop for ThreadGroup {

@@ -28,6 +28,7 @@ use super::gradients::{Gradients, Work, concat_bucket, register_shaped, slice_bu
 use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
+use super::scatter::Scatter;
 use crate::error::{DdpError, Result};
 use crate::hooks::{CommHook, HookStats, HostBucket};
 use crate::replica::TensorSpec;
@@ -42,6 +43,9 @@ pub(super) struct HostBuckets {
     buffers: Vec<Vec<f32>>,
     /// The transfer, when not the backend's ([`Transfer::of`]); tests set it.
     forced: Option<Transfer>,
+    /// The agreed buckets reduce-scattered by owner under optimizer-state sharding
+    /// ([`Scatter`]); `None` without sharding, or with a hook of the user's or compression.
+    pub scatter: Option<Scatter>,
 }
 
 /// How a host bucket's gradients move between the device and the host buffers.
@@ -115,7 +119,13 @@ impl HostBuckets {
             hook,
             buffers: Vec::new(),
             forced: None,
+            scatter: None,
         }
+    }
+
+    /// The transfer for backend `B` (or the one tests forced).
+    pub fn transfer<B: Backend>(&self) -> Transfer {
+        self.forced.unwrap_or_else(Transfer::of::<B>)
     }
 
     /// Moves gradients by `transfer` whatever the backend (tests: the per-bucket transfer on a
@@ -128,6 +138,7 @@ impl HostBuckets {
     /// Forgets the buffers (the agreed layout changed).
     pub fn clear(&mut self) {
         self.buffers.clear();
+        self.scatter.iter_mut().for_each(Scatter::clear);
     }
 
     /// Keeps `buffers` for the next step of the agreed layout.
@@ -162,7 +173,7 @@ impl HostBuckets {
             layout,
             specs,
             control,
-            transfer: self.forced.unwrap_or_else(Transfer::of::<B>),
+            transfer: self.transfer::<B>(),
         };
         let mut phase = flatten(link, &bucketed, taken, buffers, options, device)?;
         let flattened = Instant::now();

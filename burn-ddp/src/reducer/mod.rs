@@ -42,6 +42,8 @@ pub mod layout;
 mod link;
 mod options;
 mod phase;
+mod scatter;
+mod shared;
 
 pub use compress::GradientCompression;
 pub(crate) use gradients::scale as scale_gradients;
@@ -72,6 +74,7 @@ use layout::trainable;
 use link::Link;
 use options::Control;
 use phase::{Buckets, Phase};
+use shared::SharedBuckets;
 
 /// Averages gradients across the ranks of a process group.
 ///
@@ -85,8 +88,12 @@ pub struct Reducer {
     link: Link,
     agreed: Agreed,
     buckets: Buckets,
-    /// The transfers to the host and to the device of the last reduction.
-    last_transfers: (u64, u64),
+    /// The buckets reduced and the transfers to the host and to the device of the last
+    /// reduction.
+    last_counts: (u64, u64, u64),
+    /// The buckets are reduced by the built-in all-reduce (no hook of the user's, no
+    /// compression), so they may be reduce-scattered by owner ([`scatter_by`](Self::scatter_by)).
+    scatterable: bool,
 }
 
 /// The second phase of a step: the tensors trainable since the agreed layout, reduced in buckets
@@ -127,8 +134,17 @@ impl Reducer {
         // alike; the abort covers a peer that does not.
         let hook = hook_for(config, group.as_ref()).inspect_err(|e| group.abort(&e.to_string()))?;
         replica.verify_across(group.as_ref(), config.timeout())?;
+        let scatterable = config.comm_hook().is_none()
+            && config.gradient_compression() == GradientCompression::None;
+        let shareable = config.shared_memory_reduction() && scatterable;
         let buckets = if group.reduces_device_tensors() {
             Buckets::Device(DeviceBuckets::new(config.gradient_compression()))
+        } else if shareable {
+            // Thread replicas on one device share tensors; other ranks find out at the first
+            // step and use the host buckets.
+            Buckets::Shared(SharedBuckets {
+                host: Some(HostBuckets::new(hook)),
+            })
         } else {
             Buckets::Host(HostBuckets::new(hook))
         };
@@ -144,8 +160,29 @@ impl Reducer {
                 config.bucket_cap_bytes(),
             ),
             buckets,
-            last_transfers: (0, 0),
+            last_counts: (0, 0, 0),
+            scatterable,
         })
+    }
+
+    /// Reduce-scatters the step's gradients by owner from now on (ZeRO stage 2) where the
+    /// buckets are host buckets reduced by the built-in all-reduce: `owners` gives each float
+    /// tensor's owner (registration order, as
+    /// [`OptimizerShards::owners`](crate::mechanism::OptimizerShards::owners)), and a step whose
+    /// [`ReduceOptions::keep`] keeps exactly this rank's own gradients receives only those (see
+    /// [`scatter`]). Every rank must call it alike.
+    pub(crate) fn scatter_by(&mut self, owners: Arc<[Option<usize>]>) {
+        if !self.scatterable {
+            return;
+        }
+        let host = match &mut self.buckets {
+            Buckets::Host(host) => Some(host),
+            Buckets::Shared(shared) => shared.host.as_mut(),
+            Buckets::Device(_) => None,
+        };
+        if let Some(host) = host {
+            host.scatter = Some(scatter::Scatter::new(owners));
+        }
     }
 
     /// Moves host buckets' gradients by `transfer` whatever the backend (tests: the per-bucket
@@ -178,11 +215,10 @@ impl Reducer {
     pub(crate) fn uncount_step(&mut self) {
         let stats = &mut self.link.stats;
         stats.steps = stats.steps.saturating_sub(1);
-        let buckets = self.agreed.layout.buckets().len() as u64;
-        stats.buckets = stats.buckets.saturating_sub(buckets);
-        // Its transfers too (the host path moves nothing for a rank without gradients, but a
-        // device path reads its flags).
-        let (to_host, to_device) = self.last_transfers;
+        // Its buckets and transfers too (the host path moves nothing for a rank without
+        // gradients, but a device path reads its flags).
+        let (buckets, to_host, to_device) = self.last_counts;
+        stats.buckets -= buckets;
         stats.transfers_to_host -= to_host;
         stats.transfers_to_device -= to_device;
     }
@@ -243,6 +279,7 @@ impl Reducer {
         self.link.stats.steps += 1;
         let changes = self.agreed.changes(replica, step);
         let before = (
+            self.link.stats.buckets,
             self.link.stats.transfers_to_host,
             self.link.stats.transfers_to_device,
         );
@@ -265,9 +302,10 @@ impl Reducer {
                 Ok(outcome)
             }
         };
-        self.last_transfers = (
-            self.link.stats.transfers_to_host - before.0,
-            self.link.stats.transfers_to_device - before.1,
+        self.last_counts = (
+            self.link.stats.buckets - before.0,
+            self.link.stats.transfers_to_host - before.1,
+            self.link.stats.transfers_to_device - before.2,
         );
         outcome
     }
@@ -834,6 +872,49 @@ mod tests {
         HostPerBucket,
         /// Device buckets, through a group that reduces device tensors (NCCL's).
         Device,
+        /// Tensors shared between the thread ranks (the default on a `ThreadGroup`).
+        Shared,
+        /// Shared buckets asked for, on a group whose ranks cannot share (a wrapper without
+        /// `native`, as a process group would answer): host buckets after the first exchange.
+        SharedRefused,
+        /// Host buckets reduce-scattered by owner ([`SCATTER_OWNERS`]), each rank keeping its
+        /// own gradients (optimizer-state sharding on separate ranks).
+        Scatter,
+        /// [`Path::Scatter`], each owner's block concatenated on the device and read once.
+        ScatterPerBucket,
+    }
+
+    /// The owners of the test layer's weight and bias on the [`Path::Scatter`] path.
+    const SCATTER_OWNERS: [Option<usize>; 2] = [Some(1), Some(0)];
+
+    /// A `ThreadGroup` behind a wrapper that forwards the public collectives only.
+    struct Separate(ThreadGroup);
+
+    impl ProcessGroup for Separate {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.0.world_size()
+        }
+        fn backend(&self) -> &'static str {
+            "separate"
+        }
+        fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()> {
+            self.0.all_reduce(bucket, op, timeout)
+        }
+        fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
+            self.0.broadcast(buffer, root, timeout)
+        }
+        fn barrier(&self, timeout: Duration) -> Result<()> {
+            self.0.barrier(timeout)
+        }
+        fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>> {
+            self.0.all_gather(values, timeout)
+        }
+        fn abort(&self, reason: &str) {
+            self.0.abort(reason)
+        }
     }
 
     /// Rank 0's and rank 1's outcomes of one reduce over 2 ranks, through `path`.
@@ -873,15 +954,25 @@ mod tests {
                 .map(|(rank, group)| {
                     let (layer, layout, grads) = (&layer, &layout, &grads);
                     s.spawn(move || {
-                        let group: Arc<dyn ProcessGroup> = if path == Path::Device {
-                            Arc::new(DeviceStaged(group))
-                        } else {
-                            Arc::new(group)
+                        let group: Arc<dyn ProcessGroup> = match path {
+                            Path::Device => Arc::new(DeviceStaged(group)),
+                            Path::SharedRefused => Arc::new(Separate(group)),
+                            _ => Arc::new(group),
                         };
-                        let mut reducer = Reducer::new(group, layout, config).unwrap();
-                        if path == Path::HostPerBucket {
+                        let scatter = matches!(path, Path::Scatter | Path::ScatterPerBucket);
+                        let host = scatter || matches!(path, Path::Host | Path::HostPerBucket);
+                        let config = config.clone().with_shared_memory_reduction(!host);
+                        let mut reducer = Reducer::new(group, layout, &config).unwrap();
+                        if matches!(path, Path::HostPerBucket | Path::ScatterPerBucket) {
                             reducer.force_host_transfer(host::Transfer::PerBucket);
                         }
+                        let mut options = options.clone();
+                        if scatter {
+                            reducer.scatter_by(SCATTER_OWNERS.to_vec().into());
+                            let own = SCATTER_OWNERS.iter().map(|o| *o == Some(rank));
+                            options.keep = Some(own.collect());
+                        }
+                        let options = &options;
                         let outcome = reducer
                             .reduce_with::<Dev>(
                                 &Replica::<AutodiffDev, _>::new(layer),
@@ -1210,6 +1301,212 @@ mod tests {
                     "{compression:?} rank {rank}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn shared_tensors_reduce_like_host_buckets_without_a_copy_to_the_host() {
+        let config = DdpConfig::default();
+        for options in [
+            ReduceOptions::default(),
+            ReduceOptions {
+                clip_norm: Some(1.0),
+                check_finite: true,
+                ..ReduceOptions::default()
+            },
+            ReduceOptions {
+                weight: 0.25,
+                op: ReduceOp::Sum,
+                ..ReduceOptions::default()
+            },
+            ReduceOptions {
+                weight: 0.0,
+                op: ReduceOp::Sum,
+                ..ReduceOptions::default()
+            },
+            ReduceOptions {
+                keep: Some(vec![true, false].into()),
+                ..ReduceOptions::default()
+            },
+        ] {
+            let grads =
+                |layer: &Linear<AutodiffDev>, rank: usize| device_grads(layer, rank, false, 1.0);
+            let host = reduce_two_with(Path::Host, &config, &options, grads);
+            for path in [Path::Shared, Path::SharedRefused] {
+                let other = reduce_two_with(path, &config, &options, grads);
+                for rank in 0..2 {
+                    let (hw, hb, ho, hs) = &host[rank];
+                    let (sw, sb, so, ss) = &other[rank];
+                    // Two ranks' sums are the same in either order; clipping's norm is summed
+                    // in another order (f64 either way).
+                    let close = |s: &[f32], h: &[f32]| {
+                        s.len() == h.len()
+                            && s.iter()
+                                .zip(h)
+                                .all(|(s, h)| (s - h).abs() <= 1e-6 * h.abs())
+                    };
+                    assert!(
+                        close(sw, hw),
+                        "{path:?} weight, rank {rank}: {sw:?} vs {hw:?}"
+                    );
+                    // The bias: rank 0's gradient only, averaged over both; left out by `keep`.
+                    match (sb, hb) {
+                        (Some(s), Some(h)) => assert!(close(s, h), "{path:?} bias: {s:?} vs {h:?}"),
+                        (s, h) => assert_eq!(s, h, "{path:?} bias, {options:?}"),
+                    }
+                    assert_eq!(hb.is_some(), options.keep.is_none(), "{options:?}");
+                    assert_eq!(so.non_finite, ho.non_finite);
+                    match (so.grad_norm, ho.grad_norm) {
+                        (Some(s), Some(h)) => assert!((s - h).abs() <= 1e-6 * h, "{s} vs {h}"),
+                        (s, h) => assert_eq!(s, h),
+                    }
+                    assert_eq!(so.clip_scale.is_some(), ho.clip_scale.is_some());
+                    if path == Path::Shared {
+                        // Nothing flattened, nothing copied back: at most one read of the
+                        // checks of the gradients the rank owns.
+                        let checks = u64::from(options.check_finite);
+                        assert!(ss.transfers_to_host <= checks, "{options:?}: {ss:?}");
+                        assert_eq!(ss.transfers_to_device, 0, "{options:?}");
+                        assert_eq!(ss.bytes, 0);
+                    } else {
+                        // The ranks could not share: host buckets, as the host path's.
+                        assert_eq!(ss.transfers_to_host, hs.transfers_to_host, "{path:?}");
+                        assert_eq!(ss.bytes, hs.bytes);
+                    }
+                }
+                assert_eq!(other[0].0, other[1].0, "{path:?}: both ranks hold the same");
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_scattered_gradients_reach_their_owners_as_the_all_reduce_gives_them() {
+        let config = DdpConfig::default();
+        for options in [
+            ReduceOptions::default(),
+            ReduceOptions {
+                clip_norm: Some(1.0),
+                check_finite: true,
+                ..ReduceOptions::default()
+            },
+            ReduceOptions {
+                weight: 0.25,
+                op: ReduceOp::Sum,
+                ..ReduceOptions::default()
+            },
+            ReduceOptions {
+                weight: 0.0,
+                op: ReduceOp::Sum,
+                ..ReduceOptions::default()
+            },
+        ] {
+            let grads =
+                |layer: &Linear<AutodiffDev>, rank: usize| device_grads(layer, rank, false, 1.0);
+            let host = reduce_two_with(Path::Host, &config, &options, grads);
+            for path in [Path::Scatter, Path::ScatterPerBucket] {
+                let scattered = reduce_two_with(path, &config, &options, grads);
+                for rank in 0..2 {
+                    let (hw, hb, ho, _) = &host[rank];
+                    let (sw, sb, so, ss) = &scattered[rank];
+                    // Rank 1 owns the weight, rank 0 the bias: each receives its own only, with
+                    // the all-reduce's bits (two ranks' sums are the same in either order).
+                    if rank == 1 {
+                        assert_eq!(sw, hw, "weight, {options:?}");
+                        assert_eq!(sb, &None);
+                    } else {
+                        assert!(sw.is_empty(), "rank 0 got the weight: {sw:?}");
+                        assert_eq!(sb, hb, "bias, {options:?}");
+                    }
+                    assert_eq!(so.non_finite, ho.non_finite);
+                    assert_eq!(so.words, ho.words);
+                    // The norm from both owners' parts, summed in another order.
+                    match (so.grad_norm, ho.grad_norm) {
+                        (Some(s), Some(h)) => assert!((s - h).abs() <= 1e-12 * h, "{s} vs {h}"),
+                        (s, h) => assert_eq!(s, h),
+                    }
+                    assert_eq!(so.clip_scale.is_some(), ho.clip_scale.is_some());
+                    // One reduce-scatter of both blocks (gradients, 2 flags, the control words).
+                    assert_eq!(ss.buckets, 1, "{ss:?}");
+                    let block = 6 + 2 + Control::len_with(ReduceOptions::MAX_WORDS);
+                    assert_eq!(ss.bytes, 2 * block * 4, "{ss:?}");
+                    // Read once per gradient, or once per owner's block with a gradient in it
+                    // (one each here; rank 1 has no bias gradient).
+                    let reads = 2 - rank as u64;
+                    assert_eq!(ss.transfers_to_host, reads, "{path:?} rank {rank}");
+                }
+            }
+        }
+        // NaN on rank 1 (the weight's owner): every rank skips, rank 1 names itself; the words
+        // and the flags still reach every rank.
+        let check = ReduceOptions {
+            check_finite: true,
+            words: vec![0.0, 1.0],
+            ..ReduceOptions::default()
+        };
+        let nan = |layer: &Linear<AutodiffDev>, rank: usize| device_grads(layer, rank, true, 1.0);
+        let outcomes = reduce_two_with(Path::Scatter, &config, &check, nan);
+        for (rank, (_, _, outcome, _)) in outcomes.iter().enumerate() {
+            assert!(outcome.non_finite, "rank {rank}");
+            assert_eq!(outcome.local_non_finite, rank == 1, "rank {rank}");
+            assert!(outcome.grads.is_empty());
+            assert_eq!(outcome.words, vec![0.0, 1.0]);
+        }
+        // The same gradients overflowing only in their sum, seen by the bias's owner too.
+        let huge = |layer: &Linear<AutodiffDev>, rank: usize| {
+            let mut grads = GradientsParams::new();
+            let device = Default::default();
+            let w = Tensor::<Dev, 2>::from_data(TensorData::new(vec![3e38f32; 6], [3, 2]), &device);
+            grads.register::<Dev, 2>(layer.weight.id, w);
+            let bias = layer.bias.as_ref().unwrap().id;
+            grads.register::<Dev, 1>(bias, Tensor::from_data([1.0f32, 2.0], &device));
+            let _ = rank;
+            grads
+        };
+        let sum_only = ReduceOptions {
+            check_finite: true,
+            op: ReduceOp::Sum,
+            ..ReduceOptions::default()
+        };
+        let outcomes = reduce_two_with(Path::Scatter, &config, &sum_only, huge);
+        for (rank, (_, _, outcome, _)) in outcomes.iter().enumerate() {
+            assert!(
+                outcome.non_finite,
+                "rank {rank}: the weight's sum is infinite"
+            );
+            assert!(!outcome.local_non_finite, "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn shared_tensors_report_nan_on_every_rank_and_name_the_rank_that_had_it() {
+        let options = ReduceOptions {
+            check_finite: true,
+            ..ReduceOptions::default()
+        };
+        let outcomes = reduce_two(Path::Shared, &DdpConfig::default(), &options, true, 1.0);
+        for (rank, (weight, bias, outcome)) in outcomes.iter().enumerate() {
+            assert!(outcome.non_finite, "rank {rank}");
+            assert_eq!(outcome.local_non_finite, rank == 1, "rank {rank}");
+            assert!(weight.is_empty() && bias.is_none(), "the step is skipped");
+        }
+        // Gradients around 1e25: the squares overflow f32, the norm does not.
+        let clip = ReduceOptions {
+            clip_norm: Some(1.0),
+            ..options.clone()
+        };
+        // Gradients near f32's largest: their sum overflows, every value is finite.
+        let near_max = reduce_two(Path::Shared, &DdpConfig::default(), &options, false, 6e37);
+        for (rank, (weight, _, outcome)) in near_max.iter().enumerate() {
+            assert!(weight.iter().all(|w| w.is_finite()) && weight.len() == 6);
+            assert!(!outcome.non_finite, "rank {rank}: finite values");
+        }
+        let host = reduce_two(Path::Host, &DdpConfig::default(), &clip, false, 1e25);
+        let shared = reduce_two(Path::Shared, &DdpConfig::default(), &clip, false, 1e25);
+        for rank in 0..2 {
+            let (h, s) = (&host[rank].2, &shared[rank].2);
+            assert!(!s.non_finite, "finite gradients, rank {rank}");
+            let (hn, sn) = (h.grad_norm.unwrap(), s.grad_norm.unwrap());
+            assert!((sn - hn).abs() <= 1e-6 * hn, "norm {sn} vs {hn}");
         }
     }
 }

@@ -13,22 +13,29 @@ use super::host::{HostBuckets, HostPhase};
 use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
+use super::scatter::ScatterPhase;
+use super::shared::{Shared, SharedBuckets, SharedPhase};
 use crate::error::Result;
 use crate::group::ReduceOp;
 use crate::replica::TensorSpec;
 
 /// Where a reducer's buckets are reduced: host buffers through the communication hook (the CPU
-/// process groups), or device tensors (a group that
-/// [reduces device tensors](crate::group::ProcessGroup::reduces_device_tensors): NCCL).
+/// process groups), device tensors (a group that
+/// [reduces device tensors](crate::group::ProcessGroup::reduces_device_tensors): NCCL), or
+/// tensors shared by reference between thread replicas on one device (until the first step
+/// finds the ranks cannot share: then host buffers).
 pub(super) enum Buckets {
     Host(HostBuckets),
     Device(DeviceBuckets),
+    Shared(SharedBuckets),
 }
 
 /// One phase's reduced buckets.
 pub(super) enum Phase<B: Backend> {
     Host(HostPhase),
+    Scatter(ScatterPhase),
     Device(DevicePhase<B>, DeviceRead),
+    Shared(SharedPhase<B>),
 }
 
 impl Buckets {
@@ -36,6 +43,7 @@ impl Buckets {
     pub fn clear(&mut self) {
         match self {
             Buckets::Host(host) => host.clear(),
+            Buckets::Shared(shared) => shared.host.iter_mut().for_each(HostBuckets::clear),
             Buckets::Device(device) => device.clear(),
         }
     }
@@ -51,20 +59,49 @@ impl Buckets {
     ) -> Result<Phase<B>> {
         let layout = work.layout;
         Ok(match self {
-            Buckets::Host(host) => Phase::Host(host.reduce::<B>(link, work, options, device)?),
+            Buckets::Host(host) => {
+                let transfer = host.transfer::<B>();
+                let scattered = host
+                    .scatter
+                    .as_mut()
+                    .is_some_and(|scatter| scatter.takes(link, &work, options));
+                match host.scatter.as_mut() {
+                    Some(scatter) if scattered => {
+                        Phase::Scatter(scatter.reduce::<B>(link, work, options, transfer, device)?)
+                    }
+                    _ => Phase::Host(host.reduce::<B>(link, work, options, device)?),
+                }
+            }
             Buckets::Device(buckets) => {
                 let phase = buckets.reduce::<B>(link, work, options, device)?;
                 let read = phase.read(layout, options, link.rank())?;
                 Phase::Device(phase, read)
             }
+            Buckets::Shared(shared) => match shared.reduce::<B>(link, work, options, device)? {
+                Shared::Reduced(phase) => Phase::Shared(phase),
+                Shared::Apart(work) => {
+                    // Every rank saw the same answer: all use host buckets from now on.
+                    if let Some(host) = shared.host.take() {
+                        *self = Buckets::Host(host);
+                        return self.reduce::<B>(link, work, options, device);
+                    }
+                    return Err(link.fail_bucket(0, "no host buckets to fall back on".into()));
+                }
+            },
         })
     }
 
     /// Keeps an agreed phase's host buffers for the next step (its gradients are not used: not
     /// finite).
     pub fn keep<B: Backend>(&mut self, phase: Phase<B>) {
-        if let (Buckets::Host(host), Phase::Host(phase)) = (self, phase) {
-            host.keep(phase.buffers);
+        match (self, phase) {
+            (Buckets::Host(host), Phase::Host(phase)) => host.keep(phase.buffers),
+            (Buckets::Host(host), Phase::Scatter(phase)) => {
+                if let Some(scatter) = &mut host.scatter {
+                    scatter.keep(phase);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -97,6 +134,19 @@ impl Buckets {
             Phase::Device(phase, read) => {
                 phase.unflatten(layout, specs, grads, &read.flags, scale);
             }
+            Phase::Shared(phase) => phase.unflatten(layout, specs, grads, scale, keep),
+            Phase::Scatter(phase) => {
+                let rank = link.rank();
+                if let Buckets::Host(HostBuckets {
+                    scatter: Some(scatter),
+                    ..
+                }) = self
+                {
+                    let written =
+                        scatter.unflatten::<B>(phase, specs, grads, scale, keep, device, rank)?;
+                    link.stats.transfers_to_device += written;
+                }
+            }
         }
         Ok(())
     }
@@ -108,6 +158,8 @@ impl<B: Backend> Phase<B> {
         match self {
             Phase::Host(host) => host.control(layout, caller),
             Phase::Device(_, read) => read.control.clone(),
+            Phase::Shared(shared) => shared.control(caller),
+            Phase::Scatter(scatter) => scatter.control(caller),
         }
     }
 }
@@ -137,6 +189,19 @@ pub(super) fn verdict<B: Backend>(
             Phase::Device(_, read) => {
                 device_checks.push((read.checks.clone(), layout.buckets().len()));
                 local_non_finite |= read.local_non_finite;
+            }
+            Phase::Scatter(scatter) => {
+                observed.non_finite |= scatter.observed.non_finite;
+                observed.sum_of_squares += scatter.observed.sum_of_squares;
+                local_non_finite |= scatter.local_non_finite;
+            }
+            Phase::Shared(shared) => {
+                observed.non_finite |= shared.observed.non_finite;
+                observed.sum_of_squares += shared.observed.sum_of_squares;
+                // Read only for a step that will be skipped or reported.
+                if options.check_finite && shared.observed.non_finite {
+                    local_non_finite |= shared.local_non_finite();
+                }
             }
         }
     }

@@ -578,6 +578,22 @@ pub(crate) use values::{
     restore_selected, snapshot_selected, snapshot_selected_into,
 };
 
+/// Waits until the work queued on `device` by this thread has run (a no-op on the CPU backends).
+///
+/// # Errors
+/// [`DdpError::Device`] naming the rank and `operation` when the backend reports that it failed.
+pub(crate) fn sync_device<B: burn::tensor::backend::Backend>(
+    rank: usize,
+    device: &B::Device,
+    operation: &str,
+) -> crate::error::Result<()> {
+    B::sync(device).map_err(|e| crate::error::DdpError::Device {
+        rank,
+        operation: operation.to_string(),
+        detail: format!("{e:?}"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,6 +14,7 @@
 //! before the step returns.
 
 pub(crate) mod optimizer;
+mod share;
 pub(crate) mod state;
 
 pub use optimizer::ShardedOptimizer;
@@ -55,6 +56,14 @@ pub struct OptimizerShards {
     own: std::sync::Arc<[bool]>,
     /// The all-gather's send and receive buffers, reused (clones share them).
     buffers: std::sync::Arc<std::sync::Mutex<(Vec<f32>, Vec<f32>)>>,
+    /// Thread replicas on one device may take each other's stepped tensors by reference
+    /// ([`DdpConfig::with_shared_memory_reduction`](crate::DdpConfig::with_shared_memory_reduction)).
+    share: bool,
+    /// The ranks found at a step that they cannot share (clones share it).
+    apart: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The reduced gradients are sharded too (ZeRO-2): a rank holds its own parameters'
+    /// gradients only ([`DdpConfig::with_gradient_sharding`](crate::DdpConfig::with_gradient_sharding)).
+    grads_sharded: bool,
 }
 
 impl PartialEq for OptimizerShards {
@@ -90,14 +99,12 @@ impl OptimizerShards {
         let mut owner_of: HashMap<ParamId, usize> = HashMap::new();
         let mut bytes = vec![0u64; world_size];
         for trainable in [true, false] {
-            let mut order: Vec<usize> = (0..ids.len()).filter(|&i| ids[i].3 == trainable).collect();
-            order.sort_by_key(|&i| (std::cmp::Reverse(ids[i].1), ids[i].2));
-            let mut load = vec![0u64; world_size];
-            for i in order {
-                let (id, size, _, _) = ids[i];
-                let least = (0..world_size).min_by_key(|&r| (load[r], r)).unwrap_or(0);
-                load[least] += size;
-                owner_of.insert(id, least);
+            // In registration order (first places), so `balance` breaks ties by it.
+            let group: Vec<usize> = (0..ids.len()).filter(|&i| ids[i].3 == trainable).collect();
+            let sizes: Vec<u64> = group.iter().map(|&i| ids[i].1).collect();
+            let (owners, load) = crate::partition::balance(&sizes, world_size);
+            for (&i, owner) in group.iter().zip(owners) {
+                owner_of.insert(ids[i].0, owner);
             }
             if trainable {
                 bytes = load;
@@ -124,7 +131,62 @@ impl OptimizerShards {
             bytes,
             own,
             buffers: Default::default(),
+            share: true,
+            apart: Default::default(),
+            grads_sharded: false,
         }
+    }
+
+    /// Whether the reduced gradients are sharded too (default `false`; every rank must choose
+    /// alike).
+    pub(crate) fn gradients_sharded(mut self, sharded: bool) -> Self {
+        self.grads_sharded = sharded;
+        self
+    }
+
+    /// Whether a rank holds its own parameters' reduced gradients only.
+    pub(crate) fn grads_sharded(&self) -> bool {
+        self.grads_sharded
+    }
+
+    /// Which float tensors (registration order) their owners stepped, on every rank: each rank
+    /// knows it of its own parameters only (`stepped`, from the gradients it holds) when the
+    /// gradients are sharded, so the owners' bits go to every rank in one small all-gather.
+    ///
+    /// # Errors
+    /// The all-gather's.
+    pub(crate) fn agree_stepped(
+        &self,
+        stepped: &[bool],
+        group: &dyn ProcessGroup,
+        timeout: Duration,
+    ) -> Result<Vec<bool>> {
+        let words = self.owners.len().div_ceil(64).max(1);
+        let mut mine = vec![0u64; words];
+        for (i, owner) in self.owners.iter().enumerate() {
+            if *owner == Some(self.rank) && stepped.get(i).copied().unwrap_or(false) {
+                mine[i / 64] |= 1 << (i % 64);
+            }
+        }
+        let all = group.all_gather(&mine, timeout)?;
+        Ok(self
+            .owners
+            .iter()
+            .enumerate()
+            .map(|(i, owner)| {
+                owner.is_some_and(|o| {
+                    all.get(o * words + i / 64)
+                        .is_some_and(|word| word >> (i % 64) & 1 == 1)
+                })
+            })
+            .collect())
+    }
+
+    /// Whether thread replicas on one device take each other's stepped tensors by reference
+    /// (default `true`; every rank must choose alike).
+    pub(crate) fn sharing(mut self, share: bool) -> Self {
+        self.share = share;
+        self
     }
 
     /// For each float tensor (registration order), whether this rank owns it: the
@@ -227,6 +289,41 @@ impl OptimizerShards {
             }
         }
         (module, Ok(()))
+    }
+
+    /// Every rank's updated parameters to every rank, as [`gather_stepped`](Self::gather_stepped),
+    /// by reference between thread replicas on one device (no copy: each rank takes the owners'
+    /// tensors as they are), else through host memory. Every rank must call it after its
+    /// optimizer step.
+    pub(crate) fn exchange_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        module: M,
+        stepped: &[bool],
+        group: &dyn ProcessGroup,
+        timeout: Duration,
+    ) -> (M, Result<()>) {
+        use std::sync::atomic::Ordering;
+        if self.world_size == 1 || !self.share || self.apart.load(Ordering::Relaxed) {
+            return self.gather_stepped(module, stepped, group, timeout);
+        }
+        let pick = |mine: bool| -> Vec<bool> {
+            self.owners
+                .iter()
+                .enumerate()
+                .map(|(i, o)| {
+                    o.is_some_and(|o| (o == self.rank) == mine)
+                        && stepped.get(i).copied().unwrap_or(false)
+                })
+                .collect()
+        };
+        match share::share_stepped(module, &pick(true), &pick(false), group, timeout) {
+            (module, Some(result)) => (module, result),
+            (module, None) => {
+                // Every rank found the same: host memory from now on.
+                self.apart.store(true, Ordering::Relaxed);
+                self.gather_stepped(module, stepped, group, timeout)
+            }
+        }
     }
 
     /// Every rank's updated parameters to every rank: the tensors each rank owns and that are

@@ -102,12 +102,27 @@ where
         };
         // What the owners step: every parameter with a gradient (the averaged gradients are
         // whole and alike on every rank), chosen before the step and any code after it.
-        let stepped = with_gradients::<B, M>(&module, &grads);
+        let mut stepped = with_gradients::<B, M>(&module, &grads);
+        if step.shards.grads_sharded() {
+            // This rank holds its own parameters' gradients only: the owners tell.
+            match step
+                .shards
+                .agree_stepped(&stepped, step.group.as_ref(), step.timeout)
+            {
+                Ok(agreed) => stepped = agreed,
+                Err(err) => {
+                    step.error.get_or_insert(err);
+                    step.ran = true;
+                    step.put_back();
+                    return module;
+                }
+            }
+        }
         step.shards.keep_own(&module, &mut grads);
         let module = self.inner.step(lr, module, grads);
         let (module, gathered) =
             step.shards
-                .gather_stepped(module, &stepped, step.group.as_ref(), step.timeout);
+                .exchange_stepped(module, &stepped, step.group.as_ref(), step.timeout);
         step.ran = true;
         if let Err(err) = gathered {
             step.error.get_or_insert(err);

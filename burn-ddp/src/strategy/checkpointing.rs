@@ -54,7 +54,7 @@ impl<LC: LearningComponentsTypes> Trainer<LC> {
             // burn-train's checkpointer reads the record on its own thread: on an asynchronous
             // runtime the epoch's last optimizer step must have run first (on wgpu with fusion
             // it would read values of before it, or fail).
-            crate::ddp::sync_device::<TrainingBackend<LC>>(
+            crate::replica::sync_device::<TrainingBackend<LC>>(
                 self.rank,
                 &self.device,
                 "the optimizer step before the epoch checkpoint",

@@ -3,7 +3,7 @@
 //! checkpoint, the others wait for it); and the stops (an interrupt, a stop signal, with a
 //! checkpoint of the step reached). The checkpoints themselves: `checkpointing.rs`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -29,6 +29,7 @@ use crate::config::{BufferSync, DdpConfig};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
+use crate::group::counting::Counts;
 use crate::lockstep::Position;
 use crate::metrics::{EpochReport, RankReport, TrainingReport};
 use crate::monitor::SyncWatch;
@@ -206,7 +207,7 @@ where
         &mut self,
         ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
         report: &mut RankReport,
-        collectives: &AtomicU64,
+        collectives: &Counts,
     ) -> Result<()> {
         let mut run = Run {
             policy: StepPolicy::new(&self.config, self.grad_accumulation)?,
@@ -243,7 +244,7 @@ where
         run: &mut Run,
         ddp: &mut DistributedDataParallel<TrainingBackend<LC>>,
         report: &mut RankReport,
-        collectives: &AtomicU64,
+        collectives: &Counts,
     ) -> Result<Trained> {
         let started = Instant::now();
         run.policy.start_epoch();
@@ -271,7 +272,8 @@ where
             local_samples: 0,
         };
         self.events.start(skip);
-        let collectives_before = collectives.load(Ordering::Relaxed);
+        let collectives_before = collectives.collectives.load(Ordering::Relaxed);
+        let bytes_before = collectives.bus_bytes.load(Ordering::Relaxed);
         let ended = loop {
             match self.step(&mut state, &mut *iterator, run, ddp, report) {
                 Ok(next) if matches!(next, Next::EndOfData) || state.stop.is_some() => break Ok(()),
@@ -280,7 +282,9 @@ where
             }
         };
         // Also when a step failed: the report tells how far the rank got.
-        report.step_collectives += collectives.load(Ordering::Relaxed) - collectives_before;
+        report.step_collectives +=
+            collectives.collectives.load(Ordering::Relaxed) - collectives_before;
+        report.step_bus_bytes += collectives.bus_bytes.load(Ordering::Relaxed) - bytes_before;
         report.train_time += started.elapsed();
         report.sync = run.watch.times();
         ended?;
@@ -471,7 +475,7 @@ where
                 // thread: their time is compute, not the bucket copies that would wait for them,
                 // and what the step produced (its output, its gradients, BatchNorm's statistics)
                 // is complete before any of it reaches another replica's thread.
-                crate::ddp::sync_device::<TrainingBackend<LC>>(
+                crate::replica::sync_device::<TrainingBackend<LC>>(
                     self.rank,
                     &self.device,
                     "the step's forward and backward passes",
@@ -525,6 +529,12 @@ where
         if !run.policy.join() && !run.policy.accumulates() {
             // Accumulated micro-batches were weighed one by one.
             options.weight = batch.weight();
+        }
+        if ddp.config().gradient_sharding()
+            && let Some(shards) = ddp.optimizer_shards()
+        {
+            // ZeRO stage 2: this rank receives (and `optimize` sees) its own gradients only.
+            options.keep = Some(shards.own());
         }
         if batch.agreement.is_none() {
             // Read after this step's forward and backward passes: an interrupt raised during

@@ -681,7 +681,7 @@ impl<LC: LearningComponentsTypes> StepCheckpoints<LC> {
         let records = self.dir.join(&names[0]);
         // burn-train's checkpointer reads the record on its own thread: the step must have run.
         // Rank 0 alone writes step checkpoints.
-        crate::ddp::sync_device::<TrainingBackend<LC>>(
+        crate::replica::sync_device::<TrainingBackend<LC>>(
             0,
             device,
             "the optimizer step before the step checkpoint",

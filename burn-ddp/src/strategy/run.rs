@@ -113,7 +113,7 @@ where
         // loading must have run.
         let resumed = resumed.and_then(|(loaded, resume)| {
             if loaded.is_some() {
-                crate::ddp::sync_device::<TrainingBackend<LC>>(
+                crate::replica::sync_device::<TrainingBackend<LC>>(
                     first_rank,
                     &self.devices[0],
                     "loading the checkpoint",

@@ -249,7 +249,7 @@ where
                     // Read here, where it was made; without a codec, complete before rank 0's
                     // thread reads it (see `handoff.rs`).
                     if shard.codec.is_none() {
-                        crate::ddp::sync_device::<burn::train::TrainingBackend<LC>>(
+                        crate::replica::sync_device::<burn::train::TrainingBackend<LC>>(
                             rank,
                             self.comm.device,
                             "a validation batch",

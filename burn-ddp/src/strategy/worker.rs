@@ -4,7 +4,6 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -20,7 +19,7 @@ use super::rank::{ModelOutput, Role, ValidOutput};
 use super::startup::Startup;
 use crate::ddp::DistributedDataParallel;
 use crate::error::{DdpError, Result};
-use crate::group::counting::CountingGroup;
+use crate::group::counting::{CountingGroup, Counts};
 use crate::group::lock;
 use crate::metrics::RankReport;
 
@@ -100,8 +99,9 @@ where
         &trainer.device,
         &trainer.config,
     )?;
-    // Every collective of this rank from here on is counted (RankReport::collectives).
-    let collectives = Arc::new(AtomicU64::new(0));
+    // Every collective of this rank from here on is counted, with its bytes
+    // (RankReport::step_collectives, step_bus_bytes).
+    let collectives = Arc::new(Counts::default());
     trainer.group = Arc::new(CountingGroup::new(
         trainer.group.clone(),
         collectives.clone(),
@@ -119,6 +119,14 @@ where
             trainer.rank,
             trainer.config.timeout(),
         )?;
+    }
+    if trainer.buffers == Buffers::Shared {
+        // Thread replicas share BatchNorm's running statistics (Burn's `RunningState`), which
+        // the resume above writes and the layout's buffer probe below marks and restores: no
+        // rank probes before every rank has loaded (a probe that saw another rank's load as its
+        // own marker overwritten took a buffer for a frozen weight, and its restore could undo
+        // a load).
+        trainer.group.barrier(trainer.config.timeout())?;
     }
     // Check the replicas and start from rank 0's parameters and buffers.
     let (mut ddp, model) = DistributedDataParallel::<TrainingBackend<LC>>::for_replica(
@@ -178,7 +186,7 @@ where
     }
     // The trained model leaves this thread: the work behind its tensors must have run (see
     // `handoff.rs`), or the caller reads parameters the last steps have not written yet.
-    crate::ddp::sync_device::<TrainingBackend<LC>>(
+    crate::replica::sync_device::<TrainingBackend<LC>>(
         trainer.rank,
         &trainer.device,
         "the last optimizer step",

@@ -61,7 +61,10 @@ pub(super) enum Scheduler {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Transport {
+    /// Thread ranks on one device: tensors shared by reference (the default).
     Threads,
+    /// Thread ranks with `DdpConfig::with_shared_memory_reduction(false)`: host buckets.
+    ThreadBuckets,
     Tcp,
 }
 
@@ -101,6 +104,10 @@ pub(super) struct Case {
     pub clip: Clip,
     /// Optimizer-state sharding (ZeRO-1) on the burn-ddp side.
     pub shard: bool,
+    /// With `shard`: the gradients reduce-scattered by owner too (ZeRO-2,
+    /// `DdpConfig::with_gradient_sharding`); not with `Clip::Wrapper` (a user's `optimize` that
+    /// clips needs every gradient).
+    pub shard_grads: bool,
     /// Training samples (any number: the last step may be short, or leave ranks without one).
     pub samples: usize,
     /// Samples per step over all ranks.
@@ -135,6 +142,7 @@ pub(super) fn base() -> Case {
         accumulation: None,
         clip: Clip::Off,
         shard: false,
+        shard_grads: false,
         samples: 48,
         global_batch: 16,
         join: false,
@@ -255,6 +263,41 @@ pub(super) fn core() -> Vec<Case> {
         // weight decay on a layer unfrozen later and 3 ranks, a shared weight, clipping with a
         // step schedule, accumulation with warm-up and cosine, TCP with SyncBatchNorm.
         Case { shard: true, ..b },
+        // Thread ranks through host buckets (shared tensors turned off): sharded, clipped,
+        // accumulating.
+        Case {
+            transport: Transport::ThreadBuckets,
+            shard: true,
+            clip: Clip::Setting,
+            accumulation: Some(2),
+            world: 3,
+            samples: 54,
+            global_batch: 18,
+            ..b
+        },
+        // The gradients reduce-scattered too (ZeRO-2): thread ranks through host buckets with
+        // clipping, a short last step and a frozen layer; TCP with SyncBatchNorm and a layer
+        // unfrozen later.
+        Case {
+            transport: Transport::ThreadBuckets,
+            shard: true,
+            shard_grads: true,
+            clip: Clip::Setting,
+            model: Model::Frozen,
+            world: 3,
+            samples: 50,
+            global_batch: 12,
+            ..b
+        },
+        Case {
+            transport: Transport::Tcp,
+            shard: true,
+            shard_grads: true,
+            model: Model::Unfrozen,
+            opt: Opt::AdamW,
+            accumulation: Some(2),
+            ..b
+        },
         Case {
             shard: true,
             model: Model::Frozen,
@@ -439,14 +482,14 @@ impl Rng {
 
 /// A random case.
 pub(super) fn random(rng: &mut Rng) -> Case {
-    let transport = if rng.below(3) == 0 {
-        Transport::Tcp
-    } else {
-        Transport::Threads
+    let transport = match rng.below(6) {
+        0 | 1 => Transport::Tcp,
+        2 => Transport::ThreadBuckets,
+        _ => Transport::Threads,
     };
     // Threads: 1 to 8 ranks; TCP: 2 to 4.
     let world = match transport {
-        Transport::Threads => 1 + rng.below(8),
+        Transport::Threads | Transport::ThreadBuckets => 1 + rng.below(8),
         Transport::Tcp => 2 + rng.below(3),
     };
     let per_rank = 2 + rng.below(5);
@@ -487,6 +530,7 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         accumulation: (!join && rng.below(3) == 0).then_some(2),
         clip: [Clip::Off, Clip::Off, Clip::Setting, Clip::Wrapper][rng.below(4)],
         shard: rng.below(3) == 0,
+        shard_grads: false,
         samples,
         global_batch: world * per_rank,
         join,
@@ -513,13 +557,18 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         case.sched = Scheduler::Constant;
         case.clip = Clip::Off;
     }
+    case.shard_grads = case.shard && case.clip != Clip::Wrapper && rng.below(2) == 0;
     // Resumed runs: Adam (whose state the harness's optimizer checkpoints), a model without
     // step counts of its own, no join mode.
+    // A run stopped mid-epoch needs an optimizer step's boundary before the epoch's end (a stop
+    // is taken there): more batches than one accumulation window.
+    let batches = case.samples.div_ceil(case.global_batch);
+    let mid_epoch_stops = batches > case.accumulation.unwrap_or(1);
     if rng.below(5) == 0 && !join && model.exact() && !model.counts_steps() {
         case.opt = Opt::Adam;
         case.resume = if case.epochs >= 2 && rng.below(2) == 0 {
             let other = match transport {
-                Transport::Threads => 1 + rng.below(8),
+                Transport::Threads | Transport::ThreadBuckets => 1 + rng.below(8),
                 Transport::Tcp => 2 + rng.below(3),
             };
             // The per-rank batch must divide the global batch on the other world size too.
@@ -530,12 +579,18 @@ pub(super) fn random(rng: &mut Rng) -> Case {
             };
             if model == Model::SyncBn && rest != 0 && rest < other {
                 // SyncBatchNorm needs a sample on every rank of the other world size too.
-                Resume::MidEpoch
+                if mid_epoch_stops {
+                    Resume::MidEpoch
+                } else {
+                    Resume::No
+                }
             } else {
                 Resume::AfterEpoch { world: other }
             }
-        } else {
+        } else if mid_epoch_stops {
             Resume::MidEpoch
+        } else {
+            Resume::No
         };
     }
     case

@@ -16,7 +16,8 @@
 //!
 //! Configurations are generated: a fixed core that covers every value of every dimension at
 //! least once, then a random tail whose seed is printed (set `BURN_DDP_ORACLE_SEED` to replay it
-//! and `BURN_DDP_ORACLE_CASES` for a longer sweep). The dimensions: models (frozen, unfrozen,
+//! and `BURN_DDP_ORACLE_CASES` for a longer sweep; `BURN_DDP_ORACLE_ONLY` runs the cases whose
+//! name contains it, e.g. `"random case 34 "`). The dimensions: models (frozen, unfrozen,
 //! tied, partly unused layers, SyncBatchNorm, a layer frozen in `optimize` after the step, an
 //! EMA teacher), optimizers and schedules, clipping (burn-ddp's setting or a user's optimizer
 //! wrapper), accumulation, sharding, datasets of any size (short last steps, ranks without a
@@ -217,6 +218,8 @@ fn run_of(case: &Case, leg: &Leg) -> Run {
         config = config
             .with_consistency_check_every(1)
             .with_optimizer_sharding(leg.shard.unwrap_or(case.shard))
+            .with_gradient_sharding(case.shard_grads && leg.shard.unwrap_or(case.shard))
+            .with_shared_memory_reduction(case.transport != Transport::ThreadBuckets)
             .with_run_id("burn-ddp-oracle");
         if let Some(cap) = case.bucket_cap {
             config = config
@@ -560,8 +563,14 @@ fn burn_ddp_trains_and_reports_as_plain_burn_on_one_device() {
         .map(|(i, c)| (format!("core case {i}"), c))
         .chain((0..tail).map(|i| (format!("random case {i} of seed {seed}"), random(&mut rng))))
         .collect();
+    // `BURN_DDP_ORACLE_ONLY="random case 34 "` replays the cases whose name contains it.
+    let only = std::env::var("BURN_DDP_ORACLE_ONLY").ok();
     let mut failures = Vec::new();
-    for (name, case) in &cases {
+    let chosen = cases.iter().filter(|(name, _)| {
+        only.as_ref()
+            .is_none_or(|only| name.contains(only.as_str()))
+    });
+    for (name, case) in chosen {
         if let Err(difference) = differential(case) {
             failures.push(format!("{name}: {case:?}\n  {difference}"));
         }

@@ -513,8 +513,15 @@ impl Native for TcpGroup {
             return Ok(());
         }
         self.run(call, || {
-            let mut blocks = vec![0f32; n * len];
-            self.exchange_blocks(&call, |p| &send[p * len..(p + 1) * len], &mut blocks, len)?;
+            // The peers' blocks arrive in the scratch kept between calls: a fresh buffer of the
+            // gradients' size every step would be faulted in again each time.
+            let mut scratch = lock(&self.scratch);
+            let words = (n * len).div_ceil(2);
+            if scratch.len() < words {
+                scratch.resize(words, 0);
+            }
+            let blocks = &mut bytemuck::cast_slice_mut::<u64, f32>(&mut scratch[..])[..n * len];
+            self.exchange_blocks(&call, |p| &send[p * len..(p + 1) * len], blocks, len)?;
             for i in 1..n {
                 let p = (rank + i) % n;
                 for (own, theirs) in recv.iter_mut().zip(&blocks[p * len..(p + 1) * len]) {

@@ -1,0 +1,148 @@
+//! The updated parameters of a sharded step handed between thread replicas on one device by
+//! reference: each rank shares the tensors it owns and stepped
+//! ([`all_gather_shared`](crate::group::ExtendedCollectives::all_gather_shared)) and takes the
+//! others' as they are, with no copy through host memory. Each taken tensor becomes a fresh leaf
+//! of this replica's autodiff graph (the inner backend's tensor, shared; a new node of its own),
+//! with the parameter's id and whether it requires gradients. Every place takes its owner's
+//! tensor of that place: a weight reachable from two places is stepped at its first place only
+//! by Burn's optimizer (the gradient is taken there), so its places may differ after a step on
+//! one device too, and the replicas take them as the owner has them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+
+use crate::error::{DdpError, Result};
+use crate::group::{ExtendedCollectives, ProcessGroup, SharedValue};
+
+/// One rank's stepped parameters, shared.
+struct Stepped<B: Backend> {
+    /// The device of the rank's replica (its first float tensor's).
+    device: Option<B::Device>,
+    /// Per float place this rank owns and stepped (registration index): the new value,
+    /// flattened.
+    tensors: Vec<(usize, Tensor<B, 1>)>,
+}
+
+/// Shares this rank's tensors of `select` (registration order) with every rank and writes the
+/// others' (`owners`, per place) into `module`. Returns `None`, with the module untouched, when
+/// the ranks cannot share them (not threads of one process, or on different devices: every rank
+/// finds the same), so the caller gathers through host memory instead.
+///
+/// # Errors
+/// The exchange's; [`DdpError::Device`] when this rank's step cannot be finished before it is
+/// shared.
+pub(super) fn share_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    own: &[bool],
+    takes: &[bool],
+    group: &dyn ProcessGroup,
+    timeout: Duration,
+) -> (M, Option<Result<()>>) {
+    let mut collect = Collect::<B> {
+        select: own,
+        visited: 0,
+        device: None,
+        tensors: Vec::new(),
+    };
+    module.visit(&mut collect);
+    if let Some(device) = &collect.device
+        && let Err(err) = crate::replica::sync_device::<B::InnerBackend>(
+            group.rank(),
+            device,
+            "the optimizer step before its parameters are shared",
+        )
+    {
+        group.abort(&err.to_string());
+        return (module, Some(Err(err)));
+    }
+    let mine = Arc::new(Stepped::<B::InnerBackend> {
+        device: collect.device,
+        tensors: collect.tensors,
+    });
+    let shared: SharedValue = mine.clone();
+    let all = match group.all_gather_shared(shared, None, timeout) {
+        Ok(Some((all, _))) => all,
+        Ok(None) => return (module, None),
+        Err(err) => return (module, Some(Err(err))),
+    };
+    let mut parts = Vec::with_capacity(all.len());
+    for (peer, value) in all.into_iter().enumerate() {
+        match value.downcast::<Stepped<B::InnerBackend>>() {
+            Ok(part) => parts.push(part),
+            Err(_) => {
+                let err = DdpError::InvalidConfig(format!(
+                    "rank {peer} shared another kind of value in the parameters' exchange"
+                ));
+                group.abort(&err.to_string());
+                return (module, Some(Err(err)));
+            }
+        }
+    }
+    if parts
+        .iter()
+        .any(|p| p.device.is_some() && p.device != mine.device)
+    {
+        return (module, None);
+    }
+    let mut taken: HashMap<usize, Tensor<B::InnerBackend, 1>> = HashMap::new();
+    for part in &parts {
+        for (index, tensor) in &part.tensors {
+            if takes.get(*index).copied().unwrap_or(false) {
+                taken.insert(*index, tensor.clone());
+            }
+        }
+    }
+    let mut put = Put::<B> { taken, visited: 0 };
+    (module.map(&mut put), Some(Ok(())))
+}
+
+/// Collects the flattened inner tensors of the selected places, and the module's device.
+struct Collect<'a, B: AutodiffBackend> {
+    select: &'a [bool],
+    visited: usize,
+    device: Option<burn::tensor::Device<B::InnerBackend>>,
+    tensors: Vec<(usize, Tensor<B::InnerBackend, 1>)>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let index = self.visited;
+        self.visited += 1;
+        let tensor = param.val();
+        if self.device.is_none() {
+            self.device = Some(tensor.device());
+        }
+        if self.select.get(index).copied().unwrap_or(false) {
+            let numel = tensor.shape().num_elements();
+            self.tensors.push((index, tensor.inner().reshape([numel])));
+        }
+    }
+}
+
+/// Writes the taken tensors into their places, each a fresh leaf.
+struct Put<B: AutodiffBackend> {
+    taken: HashMap<usize, Tensor<B::InnerBackend, 1>>,
+    visited: usize,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Put<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let index = self.visited;
+        self.visited += 1;
+        let Some(flat) = self.taken.remove(&index) else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let dims: [usize; D] = tensor.shape().dims();
+        let mut value = Tensor::<B, D>::from_inner(flat.reshape(dims));
+        if tensor.is_require_grad() {
+            value = value.require_grad();
+        }
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
