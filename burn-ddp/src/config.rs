@@ -430,7 +430,8 @@ impl DdpConfig {
     /// memory per rank falls by the world size (as far as whole tensors allow), and so does the
     /// optimizer step's work, but the all-gather adds time back (on the benchmark's 2-core CPU
     /// as much as it saves, see `bench/README.md`); the gradients are still all-reduced, so
-    /// clipping, the NaN check and the hooks see them whole. Checkpoints hold the whole optimizer
+    /// clipping, the NaN check, the hooks and the model's `optimize` see them whole
+    /// ([`with_gradient_sharding`](Self::with_gradient_sharding) reduce-scatters them instead). Checkpoints hold the whole optimizer
     /// state (gathered on rank 0), so a run resumes with another world size or without sharding;
     /// while one is written, rank 0 holds the whole state again and every rank every share in
     /// host memory. [`DdpStrategy`](crate::DdpStrategy) refuses an optimizer that is not wrapped
@@ -464,8 +465,10 @@ impl DdpConfig {
     /// `optimize`, and do not read the other parameters' gradients there. Host buckets only
     /// (every CPU group; thread replicas on one device already reduce by owner, see
     /// [`with_shared_memory_reduction`](Self::with_shared_memory_reduction), and NCCL all-reduces
-    /// device buckets); with a communication hook or gradient compression the gradients are
-    /// all-reduced and then dropped. Default `false`.
+    /// device buckets); with a communication hook or gradient compression, or a model whose
+    /// largest owner's share is over twice the average (one tensor larger than all the others
+    /// together: the padded blocks would send more than an all-reduce), the gradients are
+    /// all-reduced and the others' dropped. Default `false`.
     ///
     /// # Errors
     /// [`validate`](Self::validate) refuses it without optimizer-state sharding.
@@ -480,8 +483,8 @@ impl DdpConfig {
         self.gradient_sharding
     }
 
-    /// Lets replicas that are threads of one process on one device (every CPU replica of a
-    /// thread run; several replicas on one GPU) hand each other their tensors by reference
+    /// Lets replicas that are threads of one process on one device of Burn's CPU backends
+    /// (NdArray, Flex: every CPU replica of a thread run) hand each other their tensors by reference
     /// instead of copying them through host buckets: each rank sums the gradients of the
     /// parameters it owns over every replica with the backend's own tensor ops and every replica
     /// takes the reduced tensors as they are (see [`Reducer`](crate::mechanism::Reducer)); under
@@ -489,7 +492,9 @@ impl DdpConfig {
     /// instead of an all-gather. The results are those of the host buckets up to the rounding of
     /// the sum (the ranks are summed in rank order). Ranks in separate processes, or threads on
     /// different devices, find out at the first step and use the host buckets; a communication
-    /// hook or gradient compression keeps the host buckets too. Default `true`; `false` keeps
+    /// hook or gradient compression keeps the host buckets too, and so do wgpu and CUDA, where a
+    /// tensor is a handle into its thread's stream that Burn 0.21's fusion cannot share with
+    /// another thread (several replicas on one GPU: host buckets). Default `true`; `false` keeps
     /// the host buckets everywhere (to compare). Every rank must use the same setting.
     pub fn with_shared_memory_reduction(mut self, shared: bool) -> Self {
         self.shared_memory_reduction = shared;

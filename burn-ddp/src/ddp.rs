@@ -147,7 +147,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         });
         if let Some(shards) = &shards {
             // ZeRO stage 2: each rank receives its own parameters' reduced gradients only.
-            reducer.scatter_by(shards.owners().into());
+            reducer.scatter_by(shards.owners().into(), shards.own());
         }
         let module = broadcast_autodiff_module(module, group.as_ref(), 0, config.timeout())?;
         Ok((

@@ -63,19 +63,11 @@ impl Transfer {
     /// The transfer for backend `B`: per tensor on Burn's CPU backends (NdArray, Flex), per
     /// bucket on every other. Every rank decides alike (one backend per job).
     pub fn of<B: Backend>() -> Self {
-        let id = std::any::TypeId::of::<B>();
-        #[cfg(feature = "ndarray")]
-        if id == std::any::TypeId::of::<burn::backend::NdArray>()
-            || id == std::any::TypeId::of::<burn::backend::NdArray<f64>>()
-        {
-            return Transfer::PerTensor;
+        if crate::replica::shares_plain_values::<B>() {
+            Transfer::PerTensor
+        } else {
+            Transfer::PerBucket
         }
-        #[cfg(feature = "flex")]
-        if id == std::any::TypeId::of::<burn::backend::Flex>() {
-            return Transfer::PerTensor;
-        }
-        let _ = id;
-        Transfer::PerBucket
     }
 }
 

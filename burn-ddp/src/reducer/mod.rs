@@ -168,10 +168,11 @@ impl Reducer {
     /// Reduce-scatters the step's gradients by owner from now on (ZeRO stage 2) where the
     /// buckets are host buckets reduced by the built-in all-reduce: `owners` gives each float
     /// tensor's owner (registration order, as
-    /// [`OptimizerShards::owners`](crate::mechanism::OptimizerShards::owners)), and a step whose
-    /// [`ReduceOptions::keep`] keeps exactly this rank's own gradients receives only those (see
-    /// [`scatter`]). Every rank must call it alike.
-    pub(crate) fn scatter_by(&mut self, owners: Arc<[Option<usize>]>) {
+    /// [`OptimizerShards::owners`](crate::mechanism::OptimizerShards::owners)), `own` this rank's
+    /// mask as [`OptimizerShards::own`](crate::mechanism::OptimizerShards::own) hands it out, and
+    /// a step whose [`ReduceOptions::keep`] is that very mask receives only this rank's own
+    /// gradients (see [`scatter`]). Every rank must call it alike.
+    pub(crate) fn scatter_by(&mut self, owners: Arc<[Option<usize>]>, own: Arc<[bool]>) {
         if !self.scatterable {
             return;
         }
@@ -181,7 +182,7 @@ impl Reducer {
             Buckets::Device(_) => None,
         };
         if let Some(host) = host {
-            host.scatter = Some(scatter::Scatter::new(owners));
+            host.scatter = Some(scatter::Scatter::new(owners, own));
         }
     }
 
@@ -261,7 +262,10 @@ impl Reducer {
     /// `grads: None` contributes zeros (a rank without a batch in join mode); the result then
     /// holds the other ranks' reduced gradients.
     ///
-    /// Every rank must call it with the same `options.op`, `clip_norm` and `check_finite`. The
+    /// Every rank must call it with the same `options.op`, `clip_norm` and `check_finite`, and
+    /// with `keep` alike (none, a mask of the caller's, or on every rank the mask
+    /// [`OptimizerShards::own`](crate::mechanism::OptimizerShards::own) hands out, which
+    /// reduce-scatters after [`scatter_by`](Self::scatter_by)). The
     /// verdicts of the outcome (non-finite, norm, clipping) are computed from the reduced values,
     /// so they are the same on every rank. When the reduced gradients are not finite, the
     /// outcome's gradients are empty: the step must be skipped (or reported).
@@ -882,6 +886,9 @@ mod tests {
         Scatter,
         /// [`Path::Scatter`], each owner's block concatenated on the device and read once.
         ScatterPerBucket,
+        /// [`Path::Scatter`]'s owners, but a `keep` of the caller's: this rank's own mask as a
+        /// fresh value on rank 0, every gradient on rank 1 (all-reduced on both ranks).
+        ScatterForeignKeep,
     }
 
     /// The owners of the test layer's weight and bias on the [`Path::Scatter`] path.
@@ -959,7 +966,10 @@ mod tests {
                             Path::SharedRefused => Arc::new(Separate(group)),
                             _ => Arc::new(group),
                         };
-                        let scatter = matches!(path, Path::Scatter | Path::ScatterPerBucket);
+                        let scatter = matches!(
+                            path,
+                            Path::Scatter | Path::ScatterPerBucket | Path::ScatterForeignKeep
+                        );
                         let host = scatter || matches!(path, Path::Host | Path::HostPerBucket);
                         let config = config.clone().with_shared_memory_reduction(!host);
                         let mut reducer = Reducer::new(group, layout, &config).unwrap();
@@ -968,9 +978,14 @@ mod tests {
                         }
                         let mut options = options.clone();
                         if scatter {
-                            reducer.scatter_by(SCATTER_OWNERS.to_vec().into());
-                            let own = SCATTER_OWNERS.iter().map(|o| *o == Some(rank));
-                            options.keep = Some(own.collect());
+                            let own: Arc<[bool]> =
+                                SCATTER_OWNERS.iter().map(|o| *o == Some(rank)).collect();
+                            reducer.scatter_by(SCATTER_OWNERS.to_vec().into(), own.clone());
+                            options.keep = Some(own);
+                            if path == Path::ScatterForeignKeep {
+                                let mask = [rank == 1, rank == 0 || rank == 1];
+                                options.keep = Some(mask.to_vec().into());
+                            }
                         }
                         let options = &options;
                         let outcome = reducer
@@ -1435,6 +1450,25 @@ mod tests {
                     assert_eq!(ss.transfers_to_host, reads, "{path:?} rank {rank}");
                 }
             }
+        }
+        // A keep of the caller's is all-reduced on every rank, whatever its values on each.
+        let foreign = reduce_two_with(
+            Path::ScatterForeignKeep,
+            &config,
+            &ReduceOptions::default(),
+            |layer: &Linear<AutodiffDev>, rank: usize| device_grads(layer, rank, false, 1.0),
+        );
+        let host = reduce_two_with(
+            Path::Host,
+            &config,
+            &ReduceOptions::default(),
+            |layer: &Linear<AutodiffDev>, rank: usize| device_grads(layer, rank, false, 1.0),
+        );
+        for rank in 0..2 {
+            assert_eq!(foreign[rank].3.bytes, host[rank].3.bytes, "rank {rank}");
+            // Rank 0 kept what its mask keeps (the bias), rank 1 both.
+            assert_eq!(foreign[rank].1, host[rank].1);
+            assert_eq!(foreign[rank].0.is_empty(), rank == 0);
         }
         // NaN on rank 1 (the weight's owner): every rank skips, rank 1 names itself; the words
         // and the flags still reach every rank.

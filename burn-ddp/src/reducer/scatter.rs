@@ -42,6 +42,11 @@ use crate::replica::TensorSpec;
 pub(super) struct Scatter {
     /// Each float tensor's owner, registration order (optimizer-state sharding's).
     owners: Arc<[Option<usize>]>,
+    /// This rank's own mask, as [`OptimizerShards::own`](crate::mechanism::OptimizerShards::own)
+    /// hands it out: a step scatters when its `keep` is this very mask (the same `Arc`), which
+    /// only the sharded paths pass, on every rank alike; a mask of the caller's, even with the
+    /// same values on some rank, is all-reduced on every rank.
+    own: Arc<[bool]>,
     /// The plan of the agreed parameters (built at the first step; dropped when they change).
     plan: Option<Plan>,
     /// This rank's blocks, `world_size * block` values, reused.
@@ -67,7 +72,9 @@ struct Plan {
 
 impl Plan {
     /// The plan of `specs` over `world_size` ranks with `control` words per block; `None` when a
-    /// parameter has no owner among the ranks (the reducer then all-reduces).
+    /// parameter has no owner among the ranks, or when the blocks, padded to the largest owner's,
+    /// would send more than an all-reduce (an owner with over twice the average share: one
+    /// tensor larger than the others together): the reducer then all-reduces.
     fn new(
         specs: &[TensorSpec],
         owners: &[Option<usize>],
@@ -83,8 +90,15 @@ impl Plan {
             *used += spec.numel();
         }
         let flags = values.iter().copied().max().unwrap_or(0);
+        let block = flags + specs.len() + control;
+        // A ring reduce-scatter sends (N - 1) / N of N blocks, an all-reduce 2 (N - 1) / N of
+        // the gradients, flags and words: scatter only when that sends no more.
+        let whole: usize = values.iter().sum::<usize>() + specs.len() + control;
+        if world_size * block > 2 * whole {
+            return None;
+        }
         Some(Self {
-            block: flags + specs.len() + control,
+            block,
             slots,
             values,
             flags,
@@ -117,9 +131,10 @@ impl ScatterPhase {
 }
 
 impl Scatter {
-    pub fn new(owners: Arc<[Option<usize>]>) -> Self {
+    pub fn new(owners: Arc<[Option<usize>]>, own: Arc<[bool]>) -> Self {
         Self {
             owners,
+            own,
             plan: None,
             send: Vec::new(),
             recv: Vec::new(),
@@ -132,8 +147,10 @@ impl Scatter {
     }
 
     /// Whether `work` is reduce-scattered: the step's agreed buckets, with the control words,
-    /// on several ranks, every parameter owned, and `options` keeping exactly this rank's own
-    /// gradients. Every rank answers alike (the same owners, parameters and options).
+    /// on several ranks, every parameter owned, the blocks no larger than an all-reduce, and
+    /// `options` keeping this rank's own mask (the `Arc` of [`Scatter::new`]). Every rank
+    /// answers alike (the same owners and parameters; the sharded paths pass the mask on every
+    /// rank).
     pub fn takes<B: Backend>(
         &mut self,
         link: &Link,
@@ -147,11 +164,10 @@ impl Scatter {
         if !work.agreed || world_size < 2 {
             return false;
         }
-        let Some(keep) = options.keep.as_deref() else {
+        let Some(keep) = options.keep.as_ref() else {
             return false;
         };
-        let own = self.owners.iter().map(|o| *o == Some(rank));
-        if keep.len() != self.owners.len() || !keep.iter().copied().eq(own) {
+        if !Arc::ptr_eq(keep, &self.own) {
             return false;
         }
         if self.plan.is_none() {
@@ -415,4 +431,52 @@ fn agree(link: &Link, mine: Observed, options: &ReduceOptions) -> Result<Observe
         observed.sum_of_squares += f64::from_bits(owner[1]);
     }
     Ok(observed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::TensorKind;
+
+    fn specs(numels: &[usize]) -> Vec<TensorSpec> {
+        numels
+            .iter()
+            .enumerate()
+            .map(|(index, &n)| TensorSpec {
+                index,
+                path: format!("p{index}"),
+                kind: TensorKind::Parameter,
+                shape: vec![n],
+                element_bytes: 4,
+                id: burn::module::ParamId::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn blocks_hold_each_owners_gradients_then_the_bookkeeping() {
+        let specs = specs(&[100, 30, 50, 20]);
+        let owners = [Some(0), Some(1), Some(1), Some(0)];
+        let plan = Plan::new(&specs, &owners, 2, 3).expect("a plan");
+        // Rank 0: 100 + 20 values; rank 1: 30 + 50; blocks padded to 120, then 4 flags and 3
+        // control words.
+        assert_eq!(plan.values, [120, 80]);
+        assert_eq!(plan.slots, [(0, 0), (1, 0), (1, 30), (0, 100)]);
+        assert_eq!((plan.flags, plan.count, plan.block), (120, 4, 127));
+        // A parameter without an owner among the ranks: no plan.
+        assert!(Plan::new(&specs, &[Some(0), Some(2), Some(1), Some(0)], 2, 3).is_none());
+        assert!(Plan::new(&specs, &[Some(0), None, Some(1), Some(0)], 2, 3).is_none());
+    }
+
+    #[test]
+    fn no_plan_when_the_padded_blocks_would_send_more_than_an_all_reduce() {
+        // One tensor larger than the others together, on 4 ranks: blocks of 1000 values, 4000
+        // sent in all, against an all-reduce's 2 x 1300.
+        let specs = specs(&[1000, 100, 100, 100]);
+        let owners = [Some(0), Some(1), Some(2), Some(3)];
+        assert!(Plan::new(&specs, &owners, 4, 0).is_none());
+        // On 2 ranks the same model pads to 1000 + 1000 = 2000 < 2 x 1300: scattered.
+        let two = [Some(0), Some(1), Some(1), Some(1)];
+        assert!(Plan::new(&specs, &two, 2, 0).is_some());
+    }
 }

@@ -12,7 +12,9 @@
 //! gradient and the checks in rank and bucket order, so every rank reaches the same verdict, as
 //! from a host bucket. The owners are [`balance`](crate::partition::balance)d by bytes over the
 //! parameters in registration order, the rule optimizer-state sharding uses, so under sharding
-//! an owner reduces exactly the gradients its optimizer steps.
+//! an owner reduces the gradients its optimizer steps (until the trainable tensors change:
+//! sharding keeps its owners for the run, this balance follows the agreed parameters; the
+//! results do not depend on who reduces).
 //!
 //! The values are the average of the same gradients as the host buckets', summed in rank order
 //! (the host buckets start each chunk at another rank): equal up to the rounding of the sum.
@@ -108,6 +110,11 @@ impl SharedBuckets {
         options: &ReduceOptions,
         device: &B::Device,
     ) -> Result<Shared<'a, B>> {
+        if !crate::replica::shares_plain_values::<B>() {
+            // A device handle cannot cross threads under Burn's fusion: the host buckets
+            // (every rank has the same backend, so every rank decides alike, without a word).
+            return Ok(Shared::Apart(work));
+        }
         let started = Instant::now();
         let rank = link.rank();
         // What another thread reads must be computed (asynchronous backends queue the reshapes).
@@ -297,6 +304,13 @@ fn reduce_owned<B: Backend>(
         for contribution in all {
             let Some(grad) = contribution.grads[b][j].clone() else {
                 continue;
+            };
+            // Summed in f32, as the host buckets sum: 16-bit gradients of several ranks would
+            // overflow before the division, and the checks' floor would round to 0.
+            let grad = if grad.dtype() == burn::tensor::DType::F32 {
+                grad
+            } else {
+                grad.cast(FloatDType::F32)
             };
             let grad = if contribution.weight == 1.0 {
                 grad

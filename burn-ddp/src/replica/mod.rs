@@ -578,6 +578,28 @@ pub(crate) use values::{
     restore_selected, snapshot_selected, snapshot_selected_into,
 };
 
+/// Whether backend `B`'s tensors are plain values that any thread may read and reuse: Burn's CPU
+/// backends (NdArray, Flex), which compute as they are called. On every other backend (wgpu,
+/// CUDA) a tensor is a handle into the calling thread's stream, and Burn 0.21's fusion keeps
+/// each handle's reference count and in-place status per stream: a handle used by another
+/// thread corrupts the fusion server ("Should have handle for tensor", measured on wgpu), even
+/// after a device sync. Thread replicas share tensors by reference only on these backends.
+pub(crate) fn shares_plain_values<B: burn::tensor::backend::Backend>() -> bool {
+    let id = std::any::TypeId::of::<B>();
+    #[cfg(feature = "ndarray")]
+    if id == std::any::TypeId::of::<burn::backend::NdArray>()
+        || id == std::any::TypeId::of::<burn::backend::NdArray<f64>>()
+    {
+        return true;
+    }
+    #[cfg(feature = "flex")]
+    if id == std::any::TypeId::of::<burn::backend::Flex>() {
+        return true;
+    }
+    let _ = id;
+    false
+}
+
 /// Waits until the work queued on `device` by this thread has run (a no-op on the CPU backends).
 ///
 /// # Errors

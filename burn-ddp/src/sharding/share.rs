@@ -43,6 +43,10 @@ pub(super) fn share_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
     group: &dyn ProcessGroup,
     timeout: Duration,
 ) -> (M, Option<Result<()>>) {
+    if !crate::replica::shares_plain_values::<B::InnerBackend>() {
+        // As the reducer's shared buckets: device handles stay on their thread.
+        return (module, None);
+    }
     let mut collect = Collect::<B> {
         select: own,
         visited: 0,

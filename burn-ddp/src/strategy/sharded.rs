@@ -185,8 +185,9 @@ impl Sharded {
         })
     }
 
-    /// The optimizer step on the averaged `grads` (whole: a model's `optimize` sees every
-    /// gradient), in which the learner's [`ShardedOptimizer`](crate::ShardedOptimizer) steps
+    /// The optimizer step on the averaged `grads` (whole, so a model's `optimize` sees every
+    /// gradient, unless [`DdpConfig::with_gradient_sharding`](crate::DdpConfig::with_gradient_sharding)
+    /// left this rank its own only), in which the learner's [`ShardedOptimizer`](crate::ShardedOptimizer) steps
     /// this rank's parameters and all-gathers every rank's.
     ///
     /// # Errors
