@@ -157,7 +157,7 @@ impl Scatter {
         work: &Work<'_, B>,
         options: &ReduceOptions,
     ) -> bool {
-        let (rank, world_size) = (link.rank(), link.group.world_size());
+        let world_size = link.group.world_size();
         let Some(control) = work.control else {
             return false;
         };
