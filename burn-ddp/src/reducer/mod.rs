@@ -265,7 +265,7 @@ impl Reducer {
     /// Every rank must call it with the same `options.op`, `clip_norm` and `check_finite`, and
     /// with `keep` alike (none, a mask of the caller's, or on every rank the mask
     /// [`OptimizerShards::own`](crate::mechanism::OptimizerShards::own) hands out, which
-    /// reduce-scatters after [`scatter_by`](Self::scatter_by)). The
+    /// reduce-scatters under sharding). The
     /// verdicts of the outcome (non-finite, norm, clipping) are computed from the reduced values,
     /// so they are the same on every rank. When the reduced gradients are not finite, the
     /// outcome's gradients are empty: the step must be skipped (or reported).
