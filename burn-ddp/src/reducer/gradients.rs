@@ -1,5 +1,7 @@
 //! Gradients in and out of buckets: taking a parameter's gradient out of burn's
-//! `GradientsParams` as a flat tensor, and registering a flat tensor back with its shape.
+//! `GradientsParams` as a flat tensor, and registering a flat tensor back with its shape; and
+//! how a bucket's gradients move between the device and host memory ([`Transfer`], used by the
+//! host buckets and the reduce-scatter).
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -219,4 +221,27 @@ pub(crate) fn scale<B: AutodiffBackend, M: AutodiffModule<B>>(
         backend: std::marker::PhantomData,
     };
     module.visit(&mut scale);
+}
+
+/// How a host bucket's gradients move between the device and the host buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Transfer {
+    /// Each gradient read and written back on its own, through its own storage (Burn's CPU
+    /// backends, where this allocates nothing).
+    PerTensor,
+    /// Each bucket concatenated on the device, read once, written back once and sliced on the
+    /// device (every backend that keeps its tensors off the host).
+    PerBucket,
+}
+
+impl Transfer {
+    /// The transfer for backend `B`: per tensor on Burn's CPU backends (NdArray, Flex), per
+    /// bucket on every other. Every rank decides alike (one backend per job).
+    pub fn of<B: Backend>() -> Self {
+        if crate::replica::shares_plain_values::<B>() {
+            Transfer::PerTensor
+        } else {
+            Transfer::PerBucket
+        }
+    }
 }

@@ -24,7 +24,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::checks::{Observed, observe_host};
-use super::gradients::{Gradients, Work, concat_bucket, register_shaped, slice_bucket};
+use super::gradients::{Gradients, Transfer, Work, concat_bucket, register_shaped, slice_bucket};
 use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
@@ -46,29 +46,6 @@ pub(super) struct HostBuckets {
     /// The agreed buckets reduce-scattered by owner under optimizer-state sharding
     /// ([`Scatter`]); `None` without sharding, or with a hook of the user's or compression.
     pub scatter: Option<Scatter>,
-}
-
-/// How a host bucket's gradients move between the device and the host buffers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Transfer {
-    /// Each gradient read and written back on its own, through its own storage (Burn's CPU
-    /// backends, where this allocates nothing).
-    PerTensor,
-    /// Each bucket concatenated on the device, read once, written back once and sliced on the
-    /// device (every backend that keeps its tensors off the host).
-    PerBucket,
-}
-
-impl Transfer {
-    /// The transfer for backend `B`: per tensor on Burn's CPU backends (NdArray, Flex), per
-    /// bucket on every other. Every rank decides alike (one backend per job).
-    pub fn of<B: Backend>() -> Self {
-        if crate::replica::shares_plain_values::<B>() {
-            Transfer::PerTensor
-        } else {
-            Transfer::PerBucket
-        }
-    }
 }
 
 /// One phase's buckets, flattened and then reduced.

@@ -189,7 +189,7 @@ impl Reducer {
     /// Moves host buckets' gradients by `transfer` whatever the backend (tests: the per-bucket
     /// transfer on a CPU backend).
     #[cfg(test)]
-    fn force_host_transfer(&mut self, transfer: host::Transfer) {
+    fn force_host_transfer(&mut self, transfer: gradients::Transfer) {
         if let Buckets::Host(host) = &mut self.buckets {
             host.force_transfer(transfer);
         }
@@ -974,7 +974,7 @@ mod tests {
                         let config = config.clone().with_shared_memory_reduction(!host);
                         let mut reducer = Reducer::new(group, layout, &config).unwrap();
                         if matches!(path, Path::HostPerBucket | Path::ScatterPerBucket) {
-                            reducer.force_host_transfer(host::Transfer::PerBucket);
+                            reducer.force_host_transfer(gradients::Transfer::PerBucket);
                         }
                         let mut options = options.clone();
                         if scatter {

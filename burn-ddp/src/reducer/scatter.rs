@@ -29,8 +29,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::checks::{Observed, observe_host};
-use super::gradients::{Work, register_shaped};
-use super::host::Transfer;
+use super::gradients::{Transfer, Work, register_shaped};
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
 use crate::error::{DdpError, Result};
