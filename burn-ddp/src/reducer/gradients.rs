@@ -151,6 +151,44 @@ pub(super) fn slice_bucket<B: Backend>(
     registered
 }
 
+/// Registers `source` (reduced values of `spec`'s gradient, times `scale`) under `spec`'s id:
+/// written into `data`, this rank's own gradient storage when it had one (no allocation), else
+/// into a new one. Returns the error naming `rank` and `bucket` when the storage is not writable
+/// as `f32`: it was readable as `f32` when the gradient was taken, and skipping it would leave
+/// this rank with other gradients than its peers.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn register_scaled<B: Backend>(
+    grads: &mut GradientsParams,
+    spec: &TensorSpec,
+    data: Option<burn::tensor::TensorData>,
+    source: &[f32],
+    scale: f32,
+    device: &B::Device,
+    rank: usize,
+    bucket: usize,
+) -> Result<()> {
+    let mut data = data.unwrap_or_else(|| {
+        burn::tensor::TensorData::new(vec![0.0f32; spec.numel()], [spec.numel()])
+    });
+    let target = data
+        .as_mut_slice::<f32>()
+        .map_err(|e| crate::error::DdpError::Bucket {
+            rank,
+            bucket,
+            detail: format!("cannot write the reduced `{}`: {e:?}", spec.path),
+        })?;
+    if scale == 1.0 {
+        target.copy_from_slice(source);
+    } else {
+        target
+            .iter_mut()
+            .zip(source)
+            .for_each(|(t, &s)| *t = s * scale);
+    }
+    register_shaped::<B>(grads, spec, Tensor::<B, 1>::from_data(data, device));
+    Ok(())
+}
+
 /// Removes `specs`' gradients from `grads`, flattened, per bucket of `layout`.
 ///
 /// # Errors

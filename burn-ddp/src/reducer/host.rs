@@ -24,12 +24,12 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::checks::{Observed, observe_host};
-use super::gradients::{Gradients, Transfer, Work, concat_bucket, register_shaped, slice_bucket};
+use super::gradients::{Gradients, Transfer, Work, concat_bucket, register_scaled, slice_bucket};
 use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
 use super::scatter::Scatter;
-use crate::error::{DdpError, Result};
+use crate::error::Result;
 use crate::hooks::{CommHook, HookStats, HostBucket};
 use crate::replica::TensorSpec;
 
@@ -420,27 +420,8 @@ impl HostPhase {
                     continue;
                 }
                 let source = &buffer[bucket.offsets[j]..bucket.offsets[j] + spec.numel()];
-                // This rank's own gradient storage when it had one (no allocation), else new.
-                let mut data = data
-                    .unwrap_or_else(|| TensorData::new(vec![0.0f32; spec.numel()], [spec.numel()]));
-                // Readable as f32 above, so writable now; an error here would leave this rank
-                // with other gradients than its peers, so it is reported, never skipped.
-                let target = data.as_mut_slice::<f32>().map_err(|e| DdpError::Bucket {
-                    rank,
-                    bucket: bucket_index,
-                    detail: format!("cannot write the reduced `{}`: {e:?}", spec.path),
-                })?;
-                if scale == 1.0 {
-                    target.copy_from_slice(source);
-                } else {
-                    target
-                        .iter_mut()
-                        .zip(source)
-                        .for_each(|(t, &s)| *t = s * scale);
-                }
-                let flat = Tensor::<B, 1>::from_data(data, device);
+                register_scaled::<B>(grads, spec, data, source, scale, device, rank, bucket_index)?;
                 written += 1;
-                register_shaped::<B>(grads, spec, flat);
             }
         }
         Ok((self.buffers, written))

@@ -29,10 +29,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::checks::{Observed, observe_host};
-use super::gradients::{Transfer, Work, register_shaped};
+use super::gradients::{Transfer, Work, register_scaled, register_shaped};
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
-use crate::error::{DdpError, Result};
+use crate::error::Result;
 use crate::group::ExtendedCollectives;
 use crate::replica::TensorSpec;
 
@@ -360,19 +360,8 @@ impl Scatter {
                 let spec = &specs[p];
                 let offset = plan.slots[p].1;
                 let source = &recv[offset..offset + spec.numel()];
-                let mut data = data
-                    .unwrap_or_else(|| TensorData::new(vec![0.0f32; spec.numel()], [spec.numel()]));
-                let target = data.as_mut_slice::<f32>().map_err(|e| DdpError::Bucket {
-                    rank,
-                    bucket: 0,
-                    detail: format!("cannot write the reduced `{}`: {e:?}", spec.path),
-                })?;
-                target
-                    .iter_mut()
-                    .zip(source)
-                    .for_each(|(t, &s)| *t = s * scale);
+                register_scaled::<B>(grads, spec, data, source, scale, device, rank, 0)?;
                 written += 1;
-                register_shaped::<B>(grads, spec, Tensor::<B, 1>::from_data(data, device));
             }
         }
         self.recv = recv;
