@@ -38,7 +38,7 @@ use super::link::Link;
 use super::options::{Control, ReduceOptions};
 use crate::error::Result;
 use crate::group::{ExtendedCollectives, ReduceOp, SharedValue};
-use crate::replica::{TensorSpec, sync_device};
+use crate::replica::TensorSpec;
 
 /// The shared buckets of a reducer, with the host buckets it falls back on (taken then).
 pub(super) struct SharedBuckets {
@@ -116,10 +116,7 @@ impl SharedBuckets {
             return Ok(Shared::Apart(work));
         }
         let started = Instant::now();
-        let rank = link.rank();
-        // What another thread reads must be computed (asynchronous backends queue the reshapes).
-        sync_device::<B>(rank, device, "the gradients before they are shared")
-            .inspect_err(|e| link.group.abort(&e.to_string()))?;
+        // No device sync: the backends that get here compute as they are called.
         let own = Arc::new(Contribution {
             device: device.clone(),
             grads: work.taken.clone(),
@@ -199,8 +196,6 @@ fn own_part<B: Backend>(
     let owners = owners(layout, specs, all.len());
     let grads = reduce_owned(&all, &positions, &owners, rank, options);
     let checks = read_checks(link, &grads, options)?;
-    sync_device::<B>(rank, device, "the reduced gradients before they are shared")
-        .inspect_err(|e| link.group.abort(&e.to_string()))?;
     Ok(Owned {
         grads,
         checks,

@@ -53,17 +53,8 @@ pub(super) fn share_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
         device: None,
         tensors: Vec::new(),
     };
+    // No device sync: the backends that get here compute as they are called.
     module.visit(&mut collect);
-    if let Some(device) = &collect.device
-        && let Err(err) = crate::replica::sync_device::<B::InnerBackend>(
-            group.rank(),
-            device,
-            "the optimizer step before its parameters are shared",
-        )
-    {
-        group.abort(&err.to_string());
-        return (module, Some(Err(err)));
-    }
     let mine = Arc::new(Stepped::<B::InnerBackend> {
         device: collect.device,
         tensors: collect.tensors,
