@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::{Distribution, Tensor, TensorData};
+use burn_ddp::comm::topology::{Topology, TopologySource};
 use burn_ddp::group::{ReduceOp, TcpGroupOptions};
-use burn_ddp::mechanism::topology::{Topology, TopologySource};
 use burn_ddp::mechanism::{Reducer, ReplicaLayout};
 use burn_ddp::{
     DdpConfig, ProcessGroup,

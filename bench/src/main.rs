@@ -27,8 +27,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use burn_ddp::comm::launch::{LaunchConfig, launch};
 use burn_ddp::group::TcpGroupOptions;
-use burn_ddp::mechanism::launch::{LaunchConfig, launch};
 use burn_ddp::{ProcessGroup, group::TcpGroup};
 use clap::{Parser, Subcommand};
 

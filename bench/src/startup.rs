@@ -9,11 +9,11 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use burn_ddp::comm::auth::{JobIdentity, Role};
+use burn_ddp::comm::store::{StoreClient, StoreServer, bind_address};
+use burn_ddp::comm::topology::{Topology, TopologySource};
 use burn_ddp::group::TcpGroup;
 use burn_ddp::group::TcpGroupOptions;
-use burn_ddp::mechanism::auth::{JobIdentity, Role};
-use burn_ddp::mechanism::store::{StoreClient, StoreServer, bind_address};
-use burn_ddp::mechanism::topology::{Topology, TopologySource};
 use serde::{Deserialize, Serialize};
 
 /// Medians of the start-up measurements, in milliseconds.

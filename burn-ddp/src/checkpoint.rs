@@ -5,7 +5,7 @@
 //!   one or the complete new one, never half written. Give it to
 //!   `SupervisedTraining::with_file_checkpointer`; with [`DdpStrategy`](crate::DdpStrategy) only
 //!   global rank 0 writes checkpoints.
-//! - [`DdpState`] is what rank 0 writes next to them after every epoch (`ddp-state-<epoch>.json`,
+//! - A DDP state is what rank 0 writes next to them after every epoch (`ddp-state-<epoch>.json`,
 //!   atomically) when [`DdpConfig::with_checkpoint_dir`](crate::DdpConfig::with_checkpoint_dir) is
 //!   set: the world size, the epoch, the optimizer steps. A resumed run reads it and refuses a
 //!   different world size, which would silently change the per-rank batch and the data shards.
@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{DdpError, Result};
 
-pub use crate::signals::PREEMPTED_EXIT_CODE;
+pub use burn_ddp_comm::signals::PREEMPTED_EXIT_CODE;
 
 /// A Burn file recorder that writes atomically: to a temporary file in the same directory, synced,
 /// then renamed over the final name. Reading is the wrapped recorder's.
@@ -134,7 +134,7 @@ impl<B: Backend, R: FileRecorder<B>> FileRecorder<B> for AtomicRecorder<R> {
 
 /// The job state rank 0 writes after every epoch (see the [module docs](self)).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DdpState {
+pub(crate) struct DdpState {
     /// The epoch just finished (burn-train counts from 1).
     pub epoch: usize,
     /// Number of ranks of the job.
@@ -183,12 +183,12 @@ impl DdpState {
     }
 
     /// Signs the state under `key`.
-    pub(crate) fn sign(&mut self, key: &crate::auth::CheckpointKey) {
+    pub(crate) fn sign(&mut self, key: &burn_ddp_comm::auth::CheckpointKey) {
         self.mac = Some(key.sign(&self.signed_bytes()));
     }
 
     /// Whether the state carries `key`'s signature.
-    pub(crate) fn signed_by(&self, key: &crate::auth::CheckpointKey) -> bool {
+    pub(crate) fn signed_by(&self, key: &burn_ddp_comm::auth::CheckpointKey) -> bool {
         self.mac
             .as_deref()
             .is_some_and(|mac| key.verifies(&self.signed_bytes(), mac))
@@ -224,7 +224,7 @@ impl DdpState {
 /// and LR scheduler files (`ddp-model-<run>-<n>.mpk`, `ddp-optim-<run>-<n>.mpk`,
 /// `ddp-scheduler-<run>-<n>.mpk`, full precision) were written and read back, so its presence
 /// means the files were complete; it holds their SHA-256, which a resume checks. `<run>` is the
-/// run id made safe for a file name ([`run_tag`]), so runs sharing a directory never touch each
+/// run id made safe for a file name, so runs sharing a directory never touch each
 /// other's files. `n` counts the gradient synchronisations of the run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepState {
@@ -266,7 +266,7 @@ pub struct RecordFile {
 
 /// A run id as a part of file names: its letters, digits, `.` and `_` (others become `_`, at
 /// most 40), then `-` and 8 hexadecimal digits of its SHA-256, so two run ids never share a tag.
-pub fn run_tag(run_id: &str) -> String {
+pub(crate) fn run_tag(run_id: &str) -> String {
     use sha2::Digest;
     let safe: String = run_id
         .chars()
@@ -344,7 +344,7 @@ impl StepState {
     }
 
     /// Signs the state under `key`.
-    pub(crate) fn sign(&mut self, key: &crate::auth::CheckpointKey) {
+    pub(crate) fn sign(&mut self, key: &burn_ddp_comm::auth::CheckpointKey) {
         self.mac = Some(key.sign(&self.signed_bytes()));
     }
 
@@ -354,7 +354,7 @@ impl StepState {
     pub(crate) fn verify(
         &self,
         dir: &Path,
-        key: Option<&crate::auth::CheckpointKey>,
+        key: Option<&burn_ddp_comm::auth::CheckpointKey>,
     ) -> std::result::Result<(), String> {
         if let Some(key) = key {
             match &self.mac {
@@ -613,7 +613,7 @@ mod tests {
         let record = dir.join("ddp-model-x-1.mpk");
         std::fs::write(&record, b"the model's bytes").unwrap();
         let key = |token: &[u8]| {
-            crate::auth::JobIdentity::new("run-x", Some(token))
+            burn_ddp_comm::auth::JobIdentity::new("run-x", Some(token))
                 .unwrap()
                 .checkpoint_key()
                 .unwrap()

@@ -4,32 +4,9 @@
 use std::fmt;
 use std::time::Duration;
 
+pub use crate::compress::GradientCompression;
 use crate::error::{DdpError, Result};
-use crate::group::DEFAULT_TIMEOUT;
-pub use crate::reducer::compress::GradientCompression;
-
-/// Size cap of a gradient bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.
-pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
-
-/// Size cap of the first bucket (the last parameters of the model, whose gradients are ready
-/// first): 1 MiB, PyTorch's `torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`.
-pub const DEFAULT_FIRST_BUCKET_CAP_BYTES: usize = 1024 * 1024;
-
-/// Steps between two sends of the step outputs to rank 0 in process mode (for burn-train's
-/// metrics): 20, so a step stays one collective on 19 steps in 20 and rank 0's progress lags by
-/// at most 20 steps.
-pub const DEFAULT_METRICS_EVERY: usize = 20;
-
-/// Default spike factor: a gradient synchronisation over 3 times the running median is a spike
-/// ([`DdpConfig::with_spike_factor`]; our choice: PyTorch has no such check, and 3x stays clear
-/// of the jitter of a loaded CPU machine while catching a stalled link or a straggler).
-pub const DEFAULT_SPIKE_FACTOR: f64 = 3.0;
-
-pub use crate::sampler::DEFAULT_PREFETCH_FACTOR;
-
-/// Default timeout of the collectives that wait while rank 0 validates and writes checkpoints at
-/// the end of an epoch: 30 minutes (PyTorch's Gloo default timeout).
-pub const DEFAULT_EPOCH_END_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+use burn_ddp_comm::group::DEFAULT_TIMEOUT;
 
 /// Configuration of data-parallel training, shared by [`DdpStrategy`](crate::DdpStrategy) and
 /// [`DistributedDataParallel`](crate::DistributedDataParallel).
@@ -173,9 +150,9 @@ impl Default for DdpConfig {
     fn default() -> Self {
         Self {
             timeout: DEFAULT_TIMEOUT,
-            epoch_end_timeout: DEFAULT_EPOCH_END_TIMEOUT,
-            bucket_cap_bytes: DEFAULT_BUCKET_CAP_BYTES,
-            first_bucket_cap_bytes: DEFAULT_FIRST_BUCKET_CAP_BYTES,
+            epoch_end_timeout: Self::DEFAULT_EPOCH_END_TIMEOUT,
+            bucket_cap_bytes: Self::DEFAULT_BUCKET_CAP_BYTES,
+            first_bucket_cap_bytes: Self::DEFAULT_FIRST_BUCKET_CAP_BYTES,
             consistency_check_every: 0,
             non_finite: NonFinite::default(),
             clip_grad_norm: None,
@@ -191,9 +168,9 @@ impl Default for DdpConfig {
             stop_on_signal: true,
             comm_hook: None,
             validation: Validation::default(),
-            metrics_every: DEFAULT_METRICS_EVERY,
+            metrics_every: Self::DEFAULT_METRICS_EVERY,
             summary: true,
-            spike_factor: DEFAULT_SPIKE_FACTOR,
+            spike_factor: Self::DEFAULT_SPIKE_FACTOR,
             optimizer_sharding: false,
             gradient_sharding: false,
             shared_memory_reduction: true,
@@ -203,6 +180,27 @@ impl Default for DdpConfig {
 }
 
 impl DdpConfig {
+    /// Size cap of a gradient bucket: 25 MiB, PyTorch DDP's `bucket_cap_mb` default.
+    pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
+
+    /// Size cap of the first bucket (the last parameters of the model, whose gradients are ready
+    /// first): 1 MiB, PyTorch's `torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`.
+    pub const DEFAULT_FIRST_BUCKET_CAP_BYTES: usize = 1024 * 1024;
+
+    /// Steps between two sends of the step outputs to rank 0 in process mode (for burn-train's
+    /// metrics): 20, so a step stays one collective on 19 steps in 20 and rank 0's progress lags by
+    /// at most 20 steps.
+    pub const DEFAULT_METRICS_EVERY: usize = 20;
+
+    /// Default spike factor: a gradient synchronisation over 3 times the running median is a spike
+    /// ([`DdpConfig::with_spike_factor`]; our choice: PyTorch has no such check, and 3x stays clear
+    /// of the jitter of a loaded CPU machine while catching a stalled link or a straggler).
+    pub const DEFAULT_SPIKE_FACTOR: f64 = 3.0;
+
+    /// Default timeout of the collectives that wait while rank 0 validates and writes checkpoints at
+    /// the end of an epoch: 30 minutes (PyTorch's Gloo default timeout).
+    pub const DEFAULT_EPOCH_END_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
     /// Timeout of every collective during training steps (default [`DEFAULT_TIMEOUT`], 300 s).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -210,21 +208,21 @@ impl DdpConfig {
     }
 
     /// Timeout of the end-of-epoch collectives, which wait while rank 0 runs validation and writes
-    /// checkpoints (default [`DEFAULT_EPOCH_END_TIMEOUT`], 30 min).
+    /// checkpoints (default [`DdpConfig::DEFAULT_EPOCH_END_TIMEOUT`], 30 min).
     pub fn with_epoch_end_timeout(mut self, timeout: Duration) -> Self {
         self.epoch_end_timeout = timeout;
         self
     }
 
     /// Size cap of a gradient bucket in bytes of `f32` gradients (default
-    /// [`DEFAULT_BUCKET_CAP_BYTES`], 25 MiB). A parameter larger than the cap gets a bucket of its
+    /// [`DdpConfig::DEFAULT_BUCKET_CAP_BYTES`], 25 MiB). A parameter larger than the cap gets a bucket of its
     /// own.
     pub fn with_bucket_cap_bytes(mut self, bytes: usize) -> Self {
         self.bucket_cap_bytes = bytes;
         self
     }
 
-    /// Size cap of the first bucket in bytes (default [`DEFAULT_FIRST_BUCKET_CAP_BYTES`], 1 MiB).
+    /// Size cap of the first bucket in bytes (default [`DdpConfig::DEFAULT_FIRST_BUCKET_CAP_BYTES`], 1 MiB).
     pub fn with_first_bucket_cap_bytes(mut self, bytes: usize) -> Self {
         self.first_bucket_cap_bytes = bytes;
         self
@@ -380,7 +378,7 @@ impl DdpConfig {
 
     /// Process mode: the ranks send their step outputs to rank 0 (for burn-train's metrics and
     /// renderer) every `steps` steps and at the end of every epoch (default
-    /// [`DEFAULT_METRICS_EVERY`]; 0 counts as 1). Threads send theirs at once.
+    /// [`DdpConfig::DEFAULT_METRICS_EVERY`]; 0 counts as 1). Threads send theirs at once.
     pub fn with_metrics_every(mut self, steps: usize) -> Self {
         self.metrics_every = steps.max(1);
         self
@@ -408,7 +406,7 @@ impl DdpConfig {
     /// A gradient synchronisation that takes more than `factor` times the median of the
     /// previous 64 is a spike: counted in [`SyncTimes`](crate::metrics::SyncTimes), and the first
     /// three on each rank logged as warnings naming the rank and the step (default
-    /// [`DEFAULT_SPIKE_FACTOR`], 3). `factor` must be above 1
+    /// [`DdpConfig::DEFAULT_SPIKE_FACTOR`], 3). `factor` must be above 1
     /// ([`validate`](Self::validate)).
     pub fn with_spike_factor(mut self, factor: f64) -> Self {
         self.spike_factor = factor;
@@ -426,7 +424,7 @@ impl DdpConfig {
     /// [`OptimizerShards`](crate::mechanism::OptimizerShards)), runs the optimizer step on its own
     /// parameters only, so Burn's optimizer keeps state (Adam's two moments) for those only, and
     /// the updated parameters are all-gathered inside the optimizer step (one
-    /// [`all_gather_f32`](crate::group::ExtendedCollectives::all_gather_f32) per step). Optimizer
+    /// [`all_gather_f32`](burn_ddp_comm::group::ExtendedCollectives::all_gather_f32) per step). Optimizer
     /// memory per rank falls by the world size (as far as whole tensors allow), and so does the
     /// optimizer step's work, but the all-gather adds time back (on the benchmark's 2-core CPU
     /// as much as it saves, see `bench/README.md`); the gradients are still all-reduced, so
@@ -652,9 +650,9 @@ impl DdpConfig {
     /// `bf16_compress_hook`, scaled per bucket so that neither large nor tiny gradients are lost:
     /// the result matches the `f32` average within the 16-bit format's rounding, and a bucket the
     /// format cannot hold goes as `f32`, counted and reported (see
-    /// [`reducer::compress`](crate::reducer::compress)). On every process group: NCCL's reduces
+    /// [`CommStats::uncompressed_buckets`](crate::metrics::CommStats::uncompressed_buckets)). On every process group: NCCL's reduces
     /// 16-bit device buckets, the CPU groups run the [`Compress16`](crate::hooks::Compress16)
-    /// hook ([`TcpGroup`](crate::group::TcpGroup) sends half the bytes). Every rank must use the same
+    /// hook ([`TcpGroup`](burn_ddp_comm::group::TcpGroup) sends half the bytes). Every rank must use the same
     /// setting.
     pub fn with_gradient_compression(mut self, compression: GradientCompression) -> Self {
         self.gradient_compression = compression;

@@ -9,7 +9,7 @@
 //! 2. the process: a multi-process run (its process group), or a thread-mode run, which counts as
 //!    the main process (rank 0) outside its rank threads, since rank 0 drives burn-train's events;
 //! 3. the launcher's environment (`RANK`/`WORLD_SIZE`, Slurm's or Open MPI's variables, as
-//!    [`Topology::from_env`](crate::mechanism::Topology::from_env) reads them), so `main` can ask
+//!    [`Topology::from_env`](crate::comm::topology::Topology::from_env) reads them), so `main` can ask
 //!    before training starts;
 //! 4. otherwise rank 0 of 1.
 
@@ -62,7 +62,7 @@ fn current() -> (usize, usize) {
     if let Some(found) = *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) {
         return found;
     }
-    match crate::topology::Topology::from_env() {
+    match burn_ddp_comm::topology::Topology::from_env() {
         Ok(Some(topology)) => (topology.rank, topology.world_size),
         _ => (0, 1),
     }

@@ -12,7 +12,6 @@ use burn::tensor::backend::AutodiffBackend;
 use crate::config::{DdpConfig, NonFinite};
 use crate::context::RankHold;
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
 use crate::lockstep::{Position, Probe};
 use crate::metrics::CommStats;
 use crate::reducer::{BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
@@ -22,6 +21,7 @@ use crate::replica::{
 };
 use crate::sharding::OptimizerShards;
 use crate::sharding::state::{Keys, gather_record, own_record};
+use burn_ddp_comm::group::ProcessGroup;
 
 /// Gradient synchronisation for one replica of a model, for training loops you write yourself.
 ///
@@ -113,7 +113,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     ///
     /// # Errors
     /// [`DdpError::ReplicaMismatch`] on every rank when the replicas differ (before any
-    /// all-reduce); the collectives' errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...);
+    /// all-reduce); the collectives' errors ([`CommError::Timeout`](crate::comm::CommError::Timeout), [`CommError::PeerLeft`](crate::comm::CommError::PeerLeft), ...);
     /// [`DdpError::InvalidConfig`] for an invalid `config`.
     pub fn new<M: AutodiffModule<B>>(
         group: Arc<dyn ProcessGroup>,
@@ -195,7 +195,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// # Errors
     /// The reducer's errors: [`DdpError::Bucket`] for a gradient of the wrong shape,
     /// [`DdpError::ModelChanged`] when `model`'s tensors changed in a way the ranks cannot follow
-    /// together, the all-reduce's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...);
+    /// together, the all-reduce's errors ([`CommError::Timeout`](crate::comm::CommError::Timeout), [`CommError::PeerLeft`](crate::comm::CommError::PeerLeft), ...);
     /// [`DdpError::OutOfStep`] when the ranks are not at the same point of training;
     /// [`DdpError::NonFinite`] with [`NonFinite::Error`](crate::config::NonFinite::Error);
     /// [`DdpError::ReplicasDiverged`] from the consistency check.
@@ -228,7 +228,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
                 })
             }
             NonFinite::SkipStep | NonFinite::Ignore => {
-                crate::log::warn_console(&format!(
+                burn_ddp_comm::log::warn_console(&format!(
                     "rank {}: gradient synchronisation #{} skipped: the gradients are \
                      not finite",
                     self.rank(),
@@ -436,7 +436,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// reads before. Nothing happens when the model has no buffers.
     ///
     /// # Errors
-    /// The barriers' errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`]); [`DdpError::Device`]
+    /// The barriers' errors ([`CommError::Timeout`](crate::comm::CommError::Timeout), [`CommError::PeerLeft`](crate::comm::CommError::PeerLeft)); [`DdpError::Device`]
     /// when the device reports a failed kernel.
     pub(crate) fn settle_shared_buffers<M: AutodiffModule<B>>(&self, module: &M) -> Result<()> {
         if !self.reducer.replica().buffer_mask().contains(&true) {
@@ -455,7 +455,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
                 "folding the replicas' buffer updates",
             )?;
         }
-        group.barrier(timeout)
+        Ok(group.barrier(timeout)?)
     }
 
     /// Replaces every rank's buffers by their average over the ranks (one all-reduce of the
@@ -482,8 +482,8 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         crate::sync_bn::enter_process_group(self.reducer.group().clone(), self.config.timeout())
     }
 
-    /// Checks that every rank's `module` holds bit-identical parameters and buffers (see
-    /// [`verify_values_across`]); `step` labels the error.
+    /// Checks that every rank's `module` holds bit-identical parameters and buffers (every
+    /// tensor's value fingerprint compared with rank 0's); `step` labels the error.
     ///
     /// # Errors
     /// [`DdpError::ReplicasDiverged`] naming the first differing tensor and ranks.
@@ -503,7 +503,7 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// [`sync_gradients`](Self::sync_gradients), with the module the gradients are of.
     ///
     /// # Errors
-    /// With sharding, the all-gather's ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...).
+    /// With sharding, the all-gather's ([`CommError::Timeout`](crate::comm::CommError::Timeout), [`CommError::PeerLeft`](crate::comm::CommError::PeerLeft), ...).
     pub fn optimizer_step<M: AutodiffModule<B>, O: Optimizer<M, B>>(
         &self,
         optim: &mut O,

@@ -9,7 +9,7 @@
 //! - [`Compress16`]: gradients on the wire as `bf16` or `f16`, half the bytes
 //!   ([`DdpConfig::with_gradient_compression`](crate::DdpConfig::with_gradient_compression)
 //!   installs it), scaled per bucket so that neither large nor tiny gradients are lost (see
-//!   [`reducer::compress`](crate::reducer::compress)); a [`TcpGroup`](crate::group::TcpGroup) sends
+//!   [`CommStats::uncompressed_buckets`](crate::metrics::CommStats::uncompressed_buckets)); a [`TcpGroup`](burn_ddp_comm::group::TcpGroup) sends
 //!   the 16-bit values ([`ExtendedCollectives::all_reduce_half`]).
 //!
 //! A hook of your own ([`DdpConfig::with_comm_hook`](crate::DdpConfig::with_comm_hook)) sees
@@ -25,9 +25,9 @@ use std::fmt;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::compress::{Fallback, GradientCompression, Wire, choose_wire};
 use crate::error::Result;
-use crate::group::{ExtendedCollectives, HalfFloat, ProcessGroup, ReduceOp};
-use crate::reducer::compress::{Fallback, GradientCompression, Wire, choose_wire};
+use burn_ddp_comm::group::{ExtendedCollectives, HalfFloat, ProcessGroup, ReduceOp};
 
 /// One bucket of a step, as a hook sees it.
 #[derive(Debug)]
@@ -73,8 +73,8 @@ pub trait CommHook: Send + Sync + fmt::Debug {
     /// within `timeout`.
     ///
     /// # Errors
-    /// The collectives' errors ([`Timeout`](crate::error::DdpError::Timeout),
-    /// [`PeerLeft`](crate::error::DdpError::PeerLeft), ...); a hook's own errors as
+    /// The collectives' errors ([`Timeout`](crate::comm::CommError::Timeout),
+    /// [`PeerLeft`](crate::comm::CommError::PeerLeft), ...); a hook's own errors as
     /// [`InvalidConfig`](crate::error::DdpError::InvalidConfig) or
     /// [`Bucket`](crate::error::DdpError::Bucket).
     fn reduce(
@@ -133,7 +133,7 @@ impl CommHook for AllReduce {
 /// of two that keeps the sum in the format's range, sent with
 /// [`ExtendedCollectives::all_reduce_half`], and scaled back. A bucket whose magnitudes span more than
 /// the format's normal range goes as `f32` that step, counted and reported once per bucket (see
-/// [`reducer::compress`](crate::reducer::compress)).
+/// [`CommStats::uncompressed_buckets`](crate::metrics::CommStats::uncompressed_buckets)).
 #[derive(Debug)]
 pub struct Compress16 {
     format: HalfFloat,
@@ -321,8 +321,8 @@ fn magnitudes(values: &[f32]) -> (f32, f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::group::ThreadGroup;
-    use crate::store::StoreServer;
+    use burn_ddp_comm::group::ThreadGroup;
+    use burn_ddp_comm::store::StoreServer;
     use std::sync::Arc;
 
     const T: Duration = Duration::from_secs(30);
@@ -330,7 +330,7 @@ mod tests {
     /// Rank `r`'s buckets: two of gradients around `magnitudes[b]` (mixed signs), the first
     /// followed by 3 bookkeeping words.
     fn buffers(rank: usize, magnitudes: [f32; 2]) -> Vec<Vec<f32>> {
-        let values = |len: usize, m: f32| crate::reducer::compress::test_gradients(rank, len, m);
+        let values = |len: usize, m: f32| crate::compress::test_gradients(rank, len, m);
         let mut first = values(300, magnitudes[0]);
         first.extend([1.0, 0.0, (rank + 1) as f32]);
         vec![first, values(257, magnitudes[1])]
@@ -380,7 +380,7 @@ mod tests {
     }
 
     fn tcp(n: usize) -> (StoreServer, Vec<Arc<dyn ProcessGroup>>) {
-        let (server, groups) = crate::group::loopback_groups(n, T);
+        let (server, groups) = burn_ddp_comm::group::loopback_groups(n, T);
         let groups = groups
             .into_iter()
             .map(|g| Arc::new(g) as Arc<dyn ProcessGroup>)

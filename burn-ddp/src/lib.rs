@@ -15,51 +15,49 @@
 //! [`DistributedSampler`] / [`DistributedDataLoader`] (which samples each rank sees),
 //! [`ProcessGroup`] and the [`group`]s that implement it (the collectives), [`config`] (the settings),
 //! [`hooks`] (how a gradient bucket is reduced), [`metrics`] (where the time goes); the machinery
-//! (reducer, replica checks, rendezvous, launcher) is in [`mechanism`].
+//! (reducer, replica checks) is in [`mechanism`]; the communication layer (process groups, store,
+//! rendezvous, topology, launcher) is its own crate, [`burn_ddp_comm`], re-exported as [`comm`].
 //! Every failure is a [`DdpError`] that names the rank, the collective, its sequence number and
 //! the timeout.
 
 #![warn(missing_docs)]
 
-mod auth;
 pub mod checkpoint;
+mod compress;
 pub mod config;
 mod context;
 mod ddp;
 mod error;
-mod gate;
 pub mod group;
 pub mod hooks;
-mod launch;
 mod lockstep;
-mod log;
 pub mod lr;
 pub mod mechanism;
 pub mod metrics;
 mod monitor;
-mod net;
 pub mod outputs;
 mod partition;
 mod reducer;
-mod rendezvous;
 mod replica;
 mod sampler;
 mod sharding;
-mod signals;
-mod store;
 mod strategy;
 mod sync_bn;
-mod topology;
+
+/// The communication layer, [`burn_ddp_comm`], whole: process groups and their errors
+/// ([`CommError`](burn_ddp_comm::CommError), inside [`DdpError::Comm`]), the store, rendezvous,
+/// topology, launcher and job identity. A Burn training needs none of it beyond [`group`].
+pub use burn_ddp_comm as comm;
 
 // The public API (ARCHITECTURE.md, "API boundary"): what a Burn training needs is here; the
-// settings, checkpoints, learning rates, reports, hooks, process groups and NCCL have a module
-// each; everything else (the reducer, replica checks, store, rendezvous, topology, launcher) is
-// under `mechanism`.
+// settings, checkpoints, learning rates, reports, hooks and process groups have a module each;
+// the reducer and the replica checks are under `mechanism`; the rest of the communication layer
+// (store, rendezvous, topology, launcher) is `comm`.
+pub use burn_ddp_comm::group::ProcessGroup;
 pub use config::DdpConfig;
 pub use context::{is_main_process, rank, world_size};
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
-pub use group::ProcessGroup;
 pub use sampler::{DistributedDataLoader, DistributedSampler};
 pub use sharding::ShardedOptimizer;
 pub use strategy::{DdpStrategy, DdpTraining};

@@ -17,7 +17,7 @@
 //! differs.
 
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
+use burn_ddp_comm::group::ProcessGroup;
 
 /// What must be equal on every rank at a gradient synchronisation. A field is 0 when the caller
 /// does not know it; every rank of a job knows the same fields (the same code runs everywhere).
@@ -94,7 +94,7 @@ impl Position {
     ) -> DdpError {
         let all = match group.all_gather(&self.fields(), timeout) {
             Ok(all) => all,
-            Err(err) => return err,
+            Err(err) => return err.into(),
         };
         let positions: Vec<Position> = all.chunks(5).map(Position::from_fields).collect();
         DdpError::OutOfStep {

@@ -29,7 +29,8 @@ pub struct CommStats {
     /// Time spent splitting buckets back into gradients.
     pub unflatten: Duration,
     /// Buckets sent as `f32` despite gradient compression, because their values spanned more
-    /// than the 16-bit format's range (see [`reducer::compress`](crate::reducer::compress)).
+    /// than the 16-bit format's range (a bucket is scaled by one power of two, so values more
+    /// than the format's normal range apart cannot all be kept).
     pub uncompressed_buckets: u64,
     /// Steps at which the trainable tensors changed on every rank (a layer frozen or unfrozen)
     /// and the buckets were rebuilt.

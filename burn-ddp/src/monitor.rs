@@ -64,7 +64,7 @@ impl SyncWatch {
                 if self.spikes <= WARNINGS {
                     // To the console as well as to `tracing` (burn-train sends `tracing` to
                     // its experiment.log only): the docs promise the user sees these.
-                    crate::log::warn_console(&format!(
+                    burn_ddp_comm::log::warn_console(&format!(
                         "rank {rank}: gradient synchronisation #{step} took {took:.1?}, \
                          {:.1}x the median of the last {} ({median:.1?}): congestion or a slow \
                          rank{}",

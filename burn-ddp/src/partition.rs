@@ -1,20 +1,8 @@
-//! How `len` things are split between `parts` ranks: into contiguous chunks whose sizes differ by
-//! at most one, the larger ones first. Shared by the ring collectives (which rank reduces which
-//! chunk of a buffer) and by the data shards (which samples a rank gets in join mode, where the
-//! rank shards of [`DistributedSampler`](crate::DistributedSampler) start), so both stay one rule.
-//! And how whole items of different sizes get owners ([`balance`]): the tensors a rank steps
-//! under optimizer-state sharding and those whose gradients it reduces for thread replicas on one
-//! device, so both give a tensor the same owner.
-
-/// The half-open range of chunk `index` when `len` elements are split into `parts` contiguous
-/// chunks whose sizes differ by at most one (the first `len % parts` chunks get one more).
-pub(crate) fn chunk_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
-    let base = len / parts;
-    let extra = len % parts;
-    let start = index * base + index.min(extra);
-    let size = base + usize::from(index < extra);
-    start..start + size
-}
+//! How whole items of different sizes get owners ([`balance`]): the tensors a rank steps under
+//! optimizer-state sharding and those whose gradients it reduces for thread replicas on one
+//! device, so both give a tensor the same owner. (How `len` things are split into contiguous
+//! chunks, the collectives' and the data shards' one rule, is
+//! [`chunk_range`](burn_ddp_comm::group::chunk_range).)
 
 /// An owner among `parts` ranks for each item of `sizes`: largest first (ties in index order),
 /// each to the rank that owns the least so far (ties to the lower rank): the greedy "longest
@@ -37,22 +25,6 @@ pub(crate) fn balance(sizes: &[u64], parts: usize) -> (Vec<usize>, Vec<u64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn chunks_cover_the_buffer_without_overlap() {
-        for len in [0usize, 1, 5, 16, 17, 1000] {
-            for parts in 1..6 {
-                let mut next = 0;
-                for index in 0..parts {
-                    let range = chunk_range(len, parts, index);
-                    assert_eq!(range.start, next, "len {len} parts {parts} index {index}");
-                    assert!(range.len() == len / parts || range.len() == len / parts + 1);
-                    next = range.end;
-                }
-                assert_eq!(next, len);
-            }
-        }
-    }
 
     #[test]
     fn balance_gives_the_largest_first_to_the_least_loaded_rank() {

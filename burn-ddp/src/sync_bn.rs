@@ -15,7 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::group::{ProcessGroup, ReduceOp};
+use burn_ddp_comm::group::{ProcessGroup, ReduceOp};
 
 thread_local! {
     static CURRENT: RefCell<Option<(Arc<dyn ProcessGroup>, Duration)>> = const { RefCell::new(None) };
@@ -77,7 +77,9 @@ fn host_sync_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     let dtype = tensor.dtype();
     let mut data = tensor.into_data().convert::<f32>();
     let summed = match data.as_mut_slice::<f32>() {
-        Ok(values) => group.all_reduce(values, ReduceOp::Sum, timeout),
+        Ok(values) => group
+            .all_reduce(values, ReduceOp::Sum, timeout)
+            .map_err(crate::error::DdpError::from),
         Err(e) => Err(crate::error::DdpError::InvalidConfig(format!(
             "SyncBatchNorm: statistics are not f32: {e:?}"
         ))),
@@ -313,7 +315,7 @@ fn global_count(local: usize) -> u64 {
         None => local as u64,
         Some((group, timeout)) => match group.all_gather(&[local as u64], timeout) {
             Ok(counts) => counts.iter().sum(),
-            Err(err) => raise(err),
+            Err(err) => raise(err.into()),
         },
     }
 }

@@ -12,6 +12,7 @@ use burn::optim::SgdConfig;
 
 use burn::train::logger::InMemoryMetricLogger;
 use burn::train::{Learner, SupervisedTraining, TrainStep};
+use burn_ddp::comm::CommError;
 use burn_ddp::config::Validation;
 use burn_ddp::{
     DdpConfig, DdpError, DdpStrategy, DdpTraining, DistributedDataParallel, ProcessGroup,
@@ -111,12 +112,12 @@ fn a_rank_that_never_calls_the_all_reduce_is_named_within_the_timeout() {
         "rank 0 waited {elapsed:?} for a {timeout:?} timeout"
     );
     match result {
-        Err(DdpError::Timeout {
+        Err(DdpError::Comm(CommError::Timeout {
             rank: 0,
             missing,
             op,
             ..
-        }) => {
+        })) => {
             assert_eq!(missing, vec![1]);
             // Thread replicas on one device exchange their gradient tensors by reference.
             assert_eq!(op.name(), "all_gather_shared");

@@ -201,7 +201,7 @@ fn mpi_collectives_give_every_rank_the_tcp_groups_results() {
             assert_eq!(tiny, &vec![ranks_sum, 2.0 * n as f32]);
             // f16 averages: the f16 inputs summed in f32 (exact here: every input is a multiple
             // of 2^-14 below 25), divided in f32, rounded to f16 at the end.
-            let format = burn_ddp::group::HalfFloat::F16;
+            let format = burn_ddp::comm::group::HalfFloat::F16;
             for (i, &got) in half.iter().enumerate() {
                 let exact: f32 = (0..n)
                     .map(|q| format.to_f32(format.from_f32(collective_input(q, i))))

@@ -8,10 +8,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use burn_ddp::mechanism::launch::{LaunchConfig, launch};
-use burn_ddp::mechanism::store::StoreServer;
+use burn_ddp::DdpConfig;
+use burn_ddp::comm::CommError;
+use burn_ddp::comm::launch::{LaunchConfig, launch};
+use burn_ddp::comm::store::StoreServer;
 use burn_ddp::mechanism::{ReplicaLayout, TensorKind};
-use burn_ddp::{DdpConfig, DdpError};
 use burn_ddp_tests::{
     ExampleCnn, TestBackend, clean_env, device, finish_within, read_tensors, test_job,
     train_example_cnn, with_test_job,
@@ -52,7 +53,7 @@ fn spawn_worker(rank: usize, world_size: usize, port: u16, args: &[&str]) -> Chi
         .env("WORLD_SIZE", world_size.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
-        .env(burn_ddp::mechanism::topology::AGENT_STORE_VAR, "1")
+        .env(burn_ddp::comm::topology::AGENT_STORE_VAR, "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -206,7 +207,7 @@ fn a_worker_killed_with_sigkill_stops_the_job_and_the_launcher_names_it() {
         ended - killed
     );
     match launcher.join().unwrap() {
-        Err(DdpError::WorkerExited { rank, how, .. }) => {
+        Err(CommError::WorkerExited { rank, how, .. }) => {
             assert_eq!(rank, 1);
             assert_eq!(how, "was killed by signal 9 (SIGKILL)");
         }
@@ -659,7 +660,7 @@ fn processes_stopped_by_sigterm_or_a_crash_resume_to_the_uninterrupted_parameter
     ]);
     stopped.max_restarts = 1;
     match launch(&stopped) {
-        Err(DdpError::Stopped { signal, detail }) => {
+        Err(CommError::Stopped { signal, detail }) => {
             assert_eq!(signal, None, "the launcher itself got no signal");
             assert!(
                 detail.contains("[0, 1]"),

@@ -194,7 +194,7 @@ fn the_consistency_check_counts_steps_across_epochs() {
 fn the_start_up_broadcast_is_bit_exact_for_f64_models() {
     type B64 = burn::backend::Autodiff<burn::backend::NdArray<f64>>;
     let groups = ThreadGroup::new_group(2).unwrap();
-    let fingerprints: Vec<(Vec<u64>, Vec<u64>)> = std::thread::scope(|s| {
+    let fingerprints: Vec<(u64, u64)> = std::thread::scope(|s| {
         let handles: Vec<_> = groups
             .into_iter()
             .map(|group| {
@@ -202,11 +202,11 @@ fn the_start_up_broadcast_is_bit_exact_for_f64_models() {
                     let group: Arc<dyn ProcessGroup> = Arc::new(group);
                     let device = Default::default();
                     let model = BnCnn::<B64>::new(&device);
-                    let before = burn_ddp::mechanism::tensor_fingerprints(&model);
+                    let before = burn_ddp::mechanism::value_fingerprint(&model);
                     let (_, model) =
                         DistributedDataParallel::new(group, model, &device, DdpConfig::default())
                             .unwrap();
-                    (before, burn_ddp::mechanism::tensor_fingerprints(&model))
+                    (before, burn_ddp::mechanism::value_fingerprint(&model))
                 })
             })
             .collect();

@@ -8,9 +8,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use burn::optim::SgdConfig;
+use burn_ddp::comm::auth::JobIdentity;
+use burn_ddp::comm::store::StoreServer;
 use burn_ddp::group::TcpGroupOptions;
-use burn_ddp::mechanism::auth::JobIdentity;
-use burn_ddp::mechanism::store::StoreServer;
 use burn_ddp::{DdpConfig, DdpError, group::TcpGroup};
 use burn_ddp_tests::{
     Mlp, Run, clean_env, deterministic, device, finish_within, over_tcp, run_training, test_job,
@@ -31,7 +31,7 @@ fn a_process_of_another_job_on_the_same_port_is_refused_naming_both_runs() {
     // Job A's store; a rank of job B (same port, another run id) tries to join.
     let store = StoreServer::bind("127.0.0.1:0".parse().unwrap(), &test_job()).unwrap();
     let port = store.local_addr().port();
-    let topology = burn_ddp::mechanism::Topology {
+    let topology = burn_ddp::comm::topology::Topology {
         rank: 1,
         world_size: 2,
         local_rank: 1,
@@ -40,7 +40,7 @@ fn a_process_of_another_job_on_the_same_port_is_refused_naming_both_runs() {
         master_port: port,
         agent_store: true,
         restart_count: 0,
-        source: burn_ddp::mechanism::TopologySource::Torchrun,
+        source: burn_ddp::comm::topology::TopologySource::Torchrun,
     };
     let job_b = JobIdentity::new("job-b", Some(b"burn-ddp tests token")).unwrap();
     let started = Instant::now();
@@ -407,7 +407,7 @@ fn a_worker_started_with_the_jobs_token_trains_and_one_without_is_refused() {
         .port();
     let spawn = |rank: usize, token: &str| {
         with_test_job(clean_env(&mut Command::new(WORKER)))
-            .env(burn_ddp::mechanism::auth::JOB_TOKEN_VAR, token)
+            .env(burn_ddp::comm::auth::JOB_TOKEN_VAR, token)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", "2")
             .env("MASTER_ADDR", "127.0.0.1")
@@ -545,10 +545,10 @@ fn a_token_of_raw_bytes_is_a_token() {
         with_test_job(clean_env(&mut command));
         match token {
             Some(token) => command.env(
-                burn_ddp::mechanism::auth::JOB_TOKEN_VAR,
+                burn_ddp::comm::auth::JOB_TOKEN_VAR,
                 std::ffi::OsStr::from_bytes(token),
             ),
-            None => command.env_remove(burn_ddp::mechanism::auth::JOB_TOKEN_VAR),
+            None => command.env_remove(burn_ddp::comm::auth::JOB_TOKEN_VAR),
         };
         command
             .env("RANK", rank.to_string())

@@ -9,9 +9,9 @@ use burn::optim::{AdamConfig, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{InferenceStep, TrainOutput, TrainStep};
+use burn_ddp::comm::topology::{Topology, TopologySource};
 use burn_ddp::config::{BufferSync, NonFinite, UnevenInputs};
 use burn_ddp::group::TcpGroupOptions;
-use burn_ddp::mechanism::topology::{Topology, TopologySource};
 use burn_ddp::{DdpConfig, DdpError, ProcessGroup, group::TcpGroup};
 use burn_ddp_tests::{
     Batch, BnCnn, CountingScheduler, Hooked, Mlp, Recording, Run, TestBackend, ValidKind, copy_of,
@@ -165,7 +165,7 @@ fn two_process_run_of(
     nan: bool,
 ) -> Vec<Result<burn_ddp_tests::Trained, DdpError>> {
     // The store is the test's, on a port the system picked, as a launcher would serve it.
-    let store = burn_ddp::mechanism::store::StoreServer::bind(
+    let store = burn_ddp::comm::store::StoreServer::bind(
         "127.0.0.1:0".parse().unwrap(),
         &burn_ddp_tests::test_job(),
     )

@@ -397,7 +397,7 @@ fn a_custom_loop_weighs_each_micro_batch_under_accumulation() {
                     "rank {rank}: {message}"
                 )
             }
-            Err(burn_ddp::DdpError::Aborted { .. }) => {}
+            Err(burn_ddp::DdpError::Comm(burn_ddp::comm::CommError::Aborted { .. })) => {}
             other => panic!(
                 "rank {rank}: expected the refusal, got {:?}",
                 other.map(|_| ())

@@ -31,8 +31,8 @@ pub fn clean_env(command: &mut std::process::Command) -> &mut std::process::Comm
 
 /// The job identity of the tests' multi-process jobs (run id and token, as a user sets them by
 /// hand for Slurm or mpirun).
-pub fn test_job() -> burn_ddp::mechanism::auth::JobIdentity {
-    burn_ddp::mechanism::auth::JobIdentity::new(TEST_RUN_ID, Some(TEST_TOKEN.as_bytes()))
+pub fn test_job() -> burn_ddp::comm::auth::JobIdentity {
+    burn_ddp::comm::auth::JobIdentity::new(TEST_RUN_ID, Some(TEST_TOKEN.as_bytes()))
         .expect("a valid identity")
 }
 
@@ -45,8 +45,8 @@ pub const TEST_TOKEN: &str = "burn-ddp tests token";
 /// Gives a worker process started by hand (not by the launcher) the tests' job identity.
 pub fn with_test_job(command: &mut std::process::Command) -> &mut std::process::Command {
     command
-        .env(burn_ddp::mechanism::auth::RUN_ID_VAR, TEST_RUN_ID)
-        .env(burn_ddp::mechanism::auth::JOB_TOKEN_VAR, TEST_TOKEN)
+        .env(burn_ddp::comm::auth::RUN_ID_VAR, TEST_RUN_ID)
+        .env(burn_ddp::comm::auth::JOB_TOKEN_VAR, TEST_TOKEN)
 }
 
 /// Rank `rank`'s `i`-th input in the collective tests (exact in `f32`, different per rank).
@@ -102,10 +102,10 @@ pub fn over_tcp<T: Send>(
     world_size: usize,
     f: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Sync,
 ) -> Vec<Result<T, DdpError>> {
+    use burn_ddp::comm::topology::{Topology, TopologySource};
     use burn_ddp::group::TcpGroup;
     use burn_ddp::group::TcpGroupOptions;
-    use burn_ddp::mechanism::topology::{Topology, TopologySource};
-    let store = burn_ddp::mechanism::store::StoreServer::bind(
+    let store = burn_ddp::comm::store::StoreServer::bind(
         "127.0.0.1:0".parse().expect("an address"),
         &test_job(),
     )

@@ -199,7 +199,7 @@ where
     let world_size = match (&run.group, run.from_env) {
         (Some(group), _) => group.world_size(),
         // Under a launcher, the job's (from the environment, as user code would ask).
-        (None, Some(_)) if burn_ddp::mechanism::Topology::from_env()?.is_some() => {
+        (None, Some(_)) if burn_ddp::comm::topology::Topology::from_env()?.is_some() => {
             burn_ddp::world_size()
         }
         _ => run.replicas.unwrap_or(1).max(1),
@@ -607,7 +607,7 @@ pub fn train_example_cnn_from_env(
     init_seed: u64,
 ) -> Result<Trained, DdpError> {
     // The job's world size, from the environment as user code asks it (threads: `replicas`).
-    let world_size = match burn_ddp::mechanism::Topology::from_env()? {
+    let world_size = match burn_ddp::comm::topology::Topology::from_env()? {
         Some(_) => burn_ddp::world_size(),
         None => replicas,
     };

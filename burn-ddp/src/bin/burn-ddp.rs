@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use burn_ddp::mechanism::launch::{LaunchConfig, launch};
+use burn_ddp::comm::launch::{LaunchConfig, launch};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -40,7 +40,7 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1")]
         master_addr: String,
         /// Port of the rendezvous store on node 0.
-        #[arg(long, default_value_t = burn_ddp::mechanism::topology::DEFAULT_MASTER_PORT)]
+        #[arg(long, default_value_t = burn_ddp::comm::topology::DEFAULT_MASTER_PORT)]
         master_port: u16,
         /// Restart the whole group up to R times after a failure (workers should resume from
         /// their last checkpoint; BURN_DDP_RESTART_COUNT tells them the round).
@@ -112,7 +112,7 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Err(err @ burn_ddp::DdpError::Stopped { .. }) => {
+        Err(err @ burn_ddp::comm::CommError::Stopped { .. }) => {
             eprintln!("burn-ddp: job stopped: {err}");
             ExitCode::from(err.exit_code() as u8)
         }

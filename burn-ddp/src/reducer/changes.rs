@@ -9,8 +9,8 @@ use super::gradients::numels;
 use super::layout::{BucketLayout, trainable};
 use super::link::Link;
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
 use crate::replica::{LayoutFingerprints, ReplicaLayout, ReplicaView, TensorSpec};
+use burn_ddp_comm::group::ProcessGroup;
 
 /// What the reducer noticed about the model before a step.
 pub(super) struct Changes {

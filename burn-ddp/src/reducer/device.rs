@@ -19,14 +19,14 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
 
 use super::checks::Observed;
-use super::compress::{Fallback, GradientCompression, Wire, choose_wire, from_wire, to_wire};
 use super::gradients::{Work, concat_bucket, slice_bucket};
 use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
+use crate::compress::{Fallback, GradientCompression, Wire, choose_wire, from_wire, to_wire};
 use crate::error::{DdpError, Result};
-use crate::group::{ExtendedCollectives, ReduceOp};
 use crate::replica::TensorSpec;
+use burn_ddp_comm::group::{ExtendedCollectives, ReduceOp};
 
 /// One phase's buckets after the all-reduce.
 pub(super) struct DevicePhase<B: Backend> {

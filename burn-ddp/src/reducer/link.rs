@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::DdpError;
-use crate::group::ProcessGroup;
 use crate::metrics::CommStats;
+use burn_ddp_comm::group::ProcessGroup;
 
 /// The reducer's process group, the timeout of every collective it issues, and its counters.
 pub(super) struct Link {

@@ -10,7 +10,7 @@
 //! - each step, each bucket's gradients are flattened into one contiguous buffer, all-reduced
 //!   with [`ReduceOp::Avg`] (sum in rank order, divided by the world size), and split back into
 //!   gradients: host buffers for the CPU process groups ([`host`]), device tensors for NCCL
-//!   ([`device`]), optionally 16-bit on the wire ([`compress`]);
+//!   ([`device`]), optionally 16-bit on the wire ([`compress`](crate::compress));
 //! - after the all-reduce, one implementation of the post-reduction steps ([`checks`]): the
 //!   NaN/infinity verdict and clipping by the global norm, from values every rank shares.
 //!
@@ -34,7 +34,6 @@
 
 mod changes;
 mod checks;
-pub mod compress;
 mod device;
 mod gradients;
 mod host;
@@ -45,7 +44,7 @@ mod phase;
 mod scatter;
 mod shared;
 
-pub use compress::GradientCompression;
+use crate::compress::GradientCompression;
 pub(crate) use gradients::scale as scale_gradients;
 pub use layout::{Bucket, BucketLayout};
 pub use options::{ReduceOptions, ReduceOutcome};
@@ -60,10 +59,10 @@ use burn::tensor::backend::Backend;
 
 use crate::config::DdpConfig;
 use crate::error::{DdpError, Result};
-use crate::group::{ExtendedCollectives, HalfFloat, ProcessGroup};
 use crate::hooks::CommHook;
 use crate::metrics::CommStats;
 use crate::replica::{ReplicaLayout, ReplicaView, TensorSpec};
+use burn_ddp_comm::group::{ExtendedCollectives, HalfFloat, ProcessGroup};
 use changes::{Agreed, Changes};
 use checks::{Observed, Verdict};
 use device::DeviceBuckets;
@@ -235,7 +234,7 @@ impl Reducer {
     }
 
     /// Replaces every parameter's gradient in `grads` by its average over all ranks. `replica` is
-    /// the model the gradients come from (see [`Replica`](crate::replica::Replica)), `B` the
+    /// the model the gradients come from (its layout and trainable set), `B` the
     /// backend the gradients live on (the inner backend of the autodiff backend), `device` the
     /// rank's device, where the reduced gradients are put.
     ///
@@ -245,7 +244,7 @@ impl Reducer {
     /// [`DdpError::Bucket`] when a gradient's shape differs from its parameter's;
     /// [`DdpError::ModelChanged`] (on every rank) when the model's tensors changed since the
     /// layout was agreed, or its trainable tensors changed on some ranks only; the all-reduce's
-    /// errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], [`DdpError::Mismatch`], ...). After
+    /// errors ([`CommError::Timeout`](crate::comm::CommError::Timeout), [`CommError::PeerLeft`](crate::comm::CommError::PeerLeft), [`CommError::Mismatch`](crate::comm::CommError::Mismatch), ...). After
     /// an error the gradients are lost and the process group is aborted.
     pub fn reduce<B: Backend>(
         &mut self,
@@ -684,12 +683,12 @@ fn hook_for(config: &DdpConfig, group: &dyn ProcessGroup) -> Result<Arc<dyn Comm
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::group::ThreadGroup;
-    use crate::group::{Native, ReduceOp};
     use crate::replica::Replica;
     use burn::backend::NdArray;
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::{TensorData, TensorPrimitive};
+    use burn_ddp_comm::group::ThreadGroup;
+    use burn_ddp_comm::group::{Native, ReduceOp};
     use std::time::Duration;
 
     type B = NdArray;
@@ -787,16 +786,26 @@ mod tests {
         fn backend(&self) -> &'static str {
             "staged"
         }
-        fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()> {
+        fn all_reduce(
+            &self,
+            bucket: &mut [f32],
+            op: ReduceOp,
+            timeout: Duration,
+        ) -> burn_ddp_comm::Result<()> {
             self.0.all_reduce(bucket, op, timeout)
         }
-        fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
+        fn broadcast(
+            &self,
+            buffer: &mut [f32],
+            root: usize,
+            timeout: Duration,
+        ) -> burn_ddp_comm::Result<()> {
             self.0.broadcast(buffer, root, timeout)
         }
-        fn barrier(&self, timeout: Duration) -> Result<()> {
+        fn barrier(&self, timeout: Duration) -> burn_ddp_comm::Result<()> {
             self.0.barrier(timeout)
         }
-        fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>> {
+        fn all_gather(&self, values: &[u64], timeout: Duration) -> burn_ddp_comm::Result<Vec<u64>> {
             self.0.all_gather(values, timeout)
         }
         fn abort(&self, reason: &str) {
@@ -808,7 +817,7 @@ mod tests {
         }
     }
 
-    impl crate::group::Sealed for DeviceStaged {}
+    impl burn_ddp_comm::group::TestSealed for DeviceStaged {}
 
     impl Native for DeviceStaged {
         fn reduces_device_tensors(&self) -> bool {
@@ -820,7 +829,7 @@ mod tests {
             tensor: &mut dyn std::any::Any,
             op: ReduceOp,
             timeout: Duration,
-        ) -> Result<bool> {
+        ) -> burn_ddp_comm::Result<bool> {
             let Some(primitive) = tensor.downcast_mut::<burn::tensor::ops::FloatTensor<Dev>>()
             else {
                 return Ok(false);
@@ -907,16 +916,26 @@ mod tests {
         fn backend(&self) -> &'static str {
             "separate"
         }
-        fn all_reduce(&self, bucket: &mut [f32], op: ReduceOp, timeout: Duration) -> Result<()> {
+        fn all_reduce(
+            &self,
+            bucket: &mut [f32],
+            op: ReduceOp,
+            timeout: Duration,
+        ) -> burn_ddp_comm::Result<()> {
             self.0.all_reduce(bucket, op, timeout)
         }
-        fn broadcast(&self, buffer: &mut [f32], root: usize, timeout: Duration) -> Result<()> {
+        fn broadcast(
+            &self,
+            buffer: &mut [f32],
+            root: usize,
+            timeout: Duration,
+        ) -> burn_ddp_comm::Result<()> {
             self.0.broadcast(buffer, root, timeout)
         }
-        fn barrier(&self, timeout: Duration) -> Result<()> {
+        fn barrier(&self, timeout: Duration) -> burn_ddp_comm::Result<()> {
             self.0.barrier(timeout)
         }
-        fn all_gather(&self, values: &[u64], timeout: Duration) -> Result<Vec<u64>> {
+        fn all_gather(&self, values: &[u64], timeout: Duration) -> burn_ddp_comm::Result<Vec<u64>> {
             self.0.all_gather(values, timeout)
         }
         fn abort(&self, reason: &str) {

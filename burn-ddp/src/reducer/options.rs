@@ -3,7 +3,7 @@
 
 use burn::optim::GradientsParams;
 
-use crate::group::ReduceOp;
+use burn_ddp_comm::group::ReduceOp;
 
 /// The words the first bucket of every step carries after its presence flags: the reducer's own
 /// two (did the model change) and the caller's ([`ReduceOptions::words`]). Summed (or averaged)

@@ -16,12 +16,12 @@ use super::options::{Control, ReduceOptions};
 use super::scatter::ScatterPhase;
 use super::shared::{Shared, SharedBuckets, SharedPhase};
 use crate::error::Result;
-use crate::group::ReduceOp;
 use crate::replica::TensorSpec;
+use burn_ddp_comm::group::ReduceOp;
 
 /// Where a reducer's buckets are reduced: host buffers through the communication hook (the CPU
 /// process groups), device tensors (a group that
-/// [reduces device tensors](crate::group::ProcessGroup::reduces_device_tensors): NCCL), or
+/// [reduces device tensors](burn_ddp_comm::group::ProcessGroup::reduces_device_tensors): NCCL), or
 /// tensors shared by reference between thread replicas on one device (until the first step
 /// finds the ranks cannot share: then host buffers).
 pub(super) enum Buckets {

@@ -3,7 +3,7 @@
 //! only the parameters it owns, so it needs only their reduced gradients. Instead of
 //! all-reducing every bucket, each rank lays its gradients out by owner (block `r`: rank `r`'s
 //! parameters in registration order), and one
-//! [`reduce_scatter`](crate::group::ExtendedCollectives::reduce_scatter) leaves each rank the
+//! [`reduce_scatter`](burn_ddp_comm::group::ExtendedCollectives::reduce_scatter) leaves each rank the
 //! reduced block of its own: a ring moves `(N - 1) / N` of the gradients' bytes per rank where an
 //! all-reduce moves twice that, and a rank keeps `1 / N` of the reduced gradients.
 //!
@@ -12,7 +12,7 @@
 //! whole numbers (0 or 1 per rank), whose sums are exact in any order: every rank reads the same
 //! values, as from the first host bucket. The checks need every owner's part: each rank
 //! observes its own block (NaN or infinity, the sum of squares in `f64`) and one small
-//! [`all_gather`](crate::group::ProcessGroup::all_gather) of those words gives every rank every
+//! [`all_gather`](burn_ddp_comm::group::ProcessGroup::all_gather) of those words gives every rank every
 //! owner's, summed in rank order, so every rank reaches the same verdict bit for bit.
 //!
 //! Used for the step's agreed buckets when the reducer knows the owners
@@ -33,8 +33,8 @@ use super::gradients::{Transfer, Work, register_scaled, register_shaped};
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
 use crate::error::Result;
-use crate::group::ExtendedCollectives;
 use crate::replica::TensorSpec;
+use burn_ddp_comm::group::ExtendedCollectives;
 
 /// A reducer's reduce-scatter by owner: the owners, the plan of the agreed parameters, and the
 /// buffers kept from step to step.

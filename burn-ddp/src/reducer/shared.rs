@@ -1,5 +1,5 @@
 //! Shared buckets, for thread replicas on one device: the ranks' gradient tensors are handed to
-//! each other by reference ([`all_gather_shared`](crate::group::ExtendedCollectives::all_gather_shared):
+//! each other by reference ([`all_gather_shared`](burn_ddp_comm::group::ExtendedCollectives::all_gather_shared):
 //! an `Arc` clone, no byte copied), each rank sums the gradients of the parameters it owns over
 //! every rank with the backend's own tensor ops, and every rank takes the owners' reduced tensors
 //! as they are. Nothing is flattened into a host buffer or copied back out of one, and each
@@ -37,8 +37,8 @@ use super::layout::BucketLayout;
 use super::link::Link;
 use super::options::{Control, ReduceOptions};
 use crate::error::Result;
-use crate::group::{ExtendedCollectives, ReduceOp, SharedValue};
 use crate::replica::TensorSpec;
+use burn_ddp_comm::group::{ExtendedCollectives, ReduceOp, SharedValue};
 
 /// The shared buckets of a reducer, with the host buckets it falls back on (taken then).
 pub(super) struct SharedBuckets {

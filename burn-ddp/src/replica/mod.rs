@@ -7,9 +7,9 @@
 //! - [`ReplicaLayout`]: kinds, shapes and paths of every float tensor, and its fingerprint;
 //! - [`ReplicaLayout::verify_across`]: every rank compares layouts before the first all-reduce and
 //!   fails with the first difference if the replicas differ;
-//! - [`broadcast_module`]: copies one rank's parameters and buffers to every rank, so all replicas
-//!   start bit-identical (Burn initialises parameters lazily and randomly per replica);
-//!   [`broadcast_buffers`] does the same for buffers only;
+//! - [`broadcast_autodiff_module`]: copies one rank's parameters and buffers to every rank, so all
+//!   replicas start bit-identical (Burn initialises parameters lazily and randomly per replica);
+//!   [`broadcast_selected`] does the same for buffers only;
 //! - [`verify_values_across`]: checks that the replicas still hold bit-identical values.
 //!
 //! It may call a [`ProcessGroup`]; it knows nothing of buckets or of burn-train. This file holds
@@ -25,7 +25,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
+use burn_ddp_comm::group::ProcessGroup;
 
 /// What a float tensor of a module is to data-parallel training.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -231,7 +231,7 @@ impl ReplicaLayout {
 
     /// The [`LayoutFingerprints`] of this layout (as [`fingerprints_of`] gives them for the module
     /// it was read from).
-    pub fn fingerprints(&self) -> LayoutFingerprints {
+    pub(crate) fn fingerprints(&self) -> LayoutFingerprints {
         let mut hashes = Hashes::default();
         for t in &self.tensors {
             hashes.add(
@@ -569,13 +569,12 @@ impl<B: Backend> ModuleVisitor<B> for SpecCollector {
 mod ties;
 mod values;
 
-pub use values::{
-    average_buffers, broadcast_buffers, broadcast_module, tensor_fingerprints, value_fingerprint,
-    verify_values_across,
-};
+#[cfg(test)]
+pub(crate) use values::tensor_fingerprints;
+pub use values::value_fingerprint;
 pub(crate) use values::{
     average_selected, broadcast_autodiff_module, broadcast_selected, fingerprint_of, fnv,
-    restore_selected, snapshot_selected, snapshot_selected_into,
+    restore_selected, snapshot_selected, snapshot_selected_into, verify_values_across,
 };
 
 /// Whether backend `B`'s tensors are plain values that any thread may read and reuse: Burn's CPU

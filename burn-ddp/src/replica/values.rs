@@ -14,7 +14,7 @@ use burn::tensor::{Tensor, TensorData};
 use super::ties::{NO_TIES, Ties};
 use super::*;
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
+use burn_ddp_comm::group::ProcessGroup;
 
 /// How [`Pack`] turns tensors into the `f32` words a collective moves.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -195,9 +195,9 @@ fn broadcast_tensors<B: Backend, M: Module<B>>(
     Ok(module.map(&mut unpack))
 }
 
-/// Replaces every rank's buffers (state the forward pass updates, e.g. BatchNorm's running
-/// statistics; not frozen weights) that differ between ranks by their average over the ranks;
-/// every rank must call it. For BatchNorm's running statistics this is the average of the
+/// Replaces the tensors `select` marks (registration order; buffers, the state the forward pass
+/// updates, e.g. BatchNorm's running statistics) that differ between ranks by their average over
+/// the ranks; every rank must call it. For BatchNorm's running statistics this is the average of the
 /// replicas' statistics, which is what Burn's `RunningState` computes for replicas that are
 /// threads sharing one module. Buffers already identical on every rank are left alone: averaging
 /// N equal values can change their last bit. Costs one all-gather of one `u64` per buffer, and
@@ -206,16 +206,6 @@ fn broadcast_tensors<B: Backend, M: Module<B>>(
 ///
 /// # Errors
 /// The collectives' errors; [`DdpError::Bucket`] when a buffer cannot be read as `f32`.
-pub fn average_buffers<B: Backend, M: Module<B>>(
-    module: M,
-    group: &dyn ProcessGroup,
-    timeout: Duration,
-) -> Result<M> {
-    let buffers = ReplicaLayout::of(&module).buffer_mask();
-    average_selected(module, group, timeout, &buffers)
-}
-
-/// `average_buffers` of the tensors `select` marks (registration order).
 pub(crate) fn average_selected<B: Backend, M: Module<B>>(
     module: M,
     group: &dyn ProcessGroup,
@@ -257,38 +247,24 @@ pub(crate) fn average_selected<B: Backend, M: Module<B>>(
         });
     }
     let mut words = pack.words;
-    group.all_reduce(&mut words, crate::group::ReduceOp::Avg, timeout)?;
+    group.all_reduce(&mut words, burn_ddp_comm::group::ReduceOp::Avg, timeout)?;
     let mut unpack = Unpack::new(&words, Encoding::Values, Some(&chosen), &NO_TIES);
     Ok(module.map(&mut unpack))
 }
 
 /// Copies `root`'s parameters and buffers into every rank's `module`, bit-exact whatever their
-/// dtype (one broadcast of the tensors' bytes, as 4-byte words); every rank must call it. Returns
-/// the module with the root's values; on the root it is returned unchanged.
-///
-/// Call [`ReplicaLayout::verify_across`] first: the broadcast relies on every rank having the same
+/// dtype (one broadcast of the tensors' bytes, as 4-byte words), keeping its shared weights
+/// shared: a place that holds the same tensor (autodiff node) as an earlier one on this rank gets
+/// the same new tensor, so autodiff still adds the gradients of both uses, as on rank 0. Every
+/// rank must call it; on the root the module is returned unchanged. Call
+/// [`ReplicaLayout::verify_across`] first: the broadcast relies on every rank having the same
 /// layout.
 ///
-/// Every place of the module tree gets a tensor of its own on the receiving ranks: a weight shared
-/// by two layers of an autodiff model is no longer shared there (its gradients would then differ
-/// from rank 0's). [`DistributedDataParallel`](crate::DistributedDataParallel) keeps such ties
-/// (its `new` and `broadcast_module`).
-///
 /// # Errors
-/// The broadcast's errors ([`DdpError::Timeout`], [`DdpError::PeerLeft`], [`DdpError::Mismatch`]
-/// when the ranks' tensors differ in size, ...).
-pub fn broadcast_module<B: Backend, M: Module<B>>(
-    module: M,
-    group: &dyn ProcessGroup,
-    root: usize,
-    timeout: Duration,
-) -> Result<M> {
-    broadcast_tensors(module, group, root, timeout, None, &Ties::none())
-}
-
-/// [`broadcast_module`] for a module on an autodiff backend, keeping its shared weights shared:
-/// a place that holds the same tensor (autodiff node) as an earlier one on this rank gets the same
-/// new tensor, so autodiff still adds the gradients of both uses, as on rank 0.
+/// The broadcast's errors ([`CommError::Timeout`](crate::comm::CommError::Timeout),
+/// [`CommError::PeerLeft`](crate::comm::CommError::PeerLeft),
+/// [`CommError::Mismatch`](crate::comm::CommError::Mismatch) when the ranks' tensors differ in
+/// size, ...).
 pub(crate) fn broadcast_autodiff_module<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: M,
     group: &dyn ProcessGroup,
@@ -303,23 +279,12 @@ pub(crate) fn broadcast_autodiff_module<B: AutodiffBackend, M: AutodiffModule<B>
     broadcast_tensors(module, group, root, timeout, None, &ties)
 }
 
-/// Copies `root`'s buffers (state the forward pass updates, e.g. BatchNorm running statistics)
-/// into every rank's `module`; parameters and frozen weights are left alone. Every rank must call
-/// it. This is PyTorch DDP's `broadcast_buffers`.
+/// Copies `root`'s tensors that `select` marks (registration order; buffers for PyTorch DDP's
+/// `broadcast_buffers`) into every rank's `module`; the others are left alone. Every rank must
+/// call it.
 ///
 /// # Errors
-/// As [`broadcast_module`].
-pub fn broadcast_buffers<B: Backend, M: Module<B>>(
-    module: M,
-    group: &dyn ProcessGroup,
-    root: usize,
-    timeout: Duration,
-) -> Result<M> {
-    let buffers = ReplicaLayout::of(&module).buffer_mask();
-    broadcast_selected(module, group, root, timeout, &buffers)
-}
-
-/// [`broadcast_buffers`] of the tensors `select` marks (registration order).
+/// As [`broadcast_autodiff_module`].
 pub(crate) fn broadcast_selected<B: Backend, M: Module<B>>(
     module: M,
     group: &dyn ProcessGroup,
@@ -390,7 +355,9 @@ pub(crate) fn fingerprint_of<B: Backend, M: Module<B>>(module: &M, index: usize)
     hasher.hashes.first().copied()
 }
 
-/// One hash of all float tensors of `module`: the fingerprints of [`tensor_fingerprints`] combined.
+/// One hash of all float tensors of `module` (parameters and buffers, registration order): a
+/// 64-bit FNV-1a hash per tensor over the bits of its values, combined. Two replicas hold
+/// bit-identical values exactly when the hashes agree (up to hash collisions).
 pub fn value_fingerprint<B: Backend, M: Module<B>>(module: &M) -> u64 {
     fnv(tensor_fingerprints(module).into_iter())
 }

@@ -17,7 +17,7 @@ use super::context::Drawn;
 use super::context::{DRAWN, EPOCH, Purpose, SLICING};
 use super::prefetch::{Build, DistributedIterator, StepIterator};
 use crate::error::{DdpError, Result};
-use crate::partition::chunk_range;
+use burn_ddp_comm::group::chunk_range;
 
 /// A Burn [`DataLoader`] that batches the samples a [`DistributedSampler`] gives.
 ///
@@ -53,7 +53,7 @@ pub struct DistributedDataLoader<B: Backend, I, O> {
 
 /// Batches each prefetch worker builds ahead of the training step: PyTorch's `prefetch_factor`
 /// default.
-pub const DEFAULT_PREFETCH_FACTOR: usize = 2;
+pub(crate) const DEFAULT_PREFETCH_FACTOR: usize = 2;
 
 impl<B, I, O> DistributedDataLoader<B, I, O>
 where
@@ -120,8 +120,7 @@ where
         self
     }
 
-    /// Batches each worker builds ahead (default
-    /// [`DEFAULT_PREFETCH_FACTOR`](crate::config::DEFAULT_PREFETCH_FACTOR), PyTorch's; values
+    /// Batches each worker builds ahead (default 2, PyTorch's `prefetch_factor`; values
     /// below 1 count as 1). Memory: up to `num_workers * (prefetch_factor + 1)` batches per
     /// replica (each worker's queue and the batch it is building), plus the one being trained on.
     pub fn with_prefetch_factor(mut self, prefetch_factor: usize) -> Self {
@@ -171,7 +170,7 @@ where
         {
             return;
         }
-        crate::log::warn_console(&format!(
+        burn_ddp_comm::log::warn_console(&format!(
             "rank {}: this DistributedDataLoader presents all {} ranks' shards, so this rank reads \
              the whole dataset; in a training loop of your own build its sampler with \
              DistributedSampler::with_rank(burn_ddp::rank())",

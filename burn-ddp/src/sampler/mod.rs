@@ -8,7 +8,7 @@ mod loader;
 mod prefetch;
 
 pub(crate) use context::{Drawn, Purpose, check_loader, drawn_on_this_thread, enter_epoch};
-pub use loader::{DEFAULT_PREFETCH_FACTOR, DistributedDataLoader};
+pub use loader::DistributedDataLoader;
 
 use std::ops::Range;
 
@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 use crate::error::{DdpError, Result};
-use crate::partition::chunk_range;
+use burn_ddp_comm::group::chunk_range;
 
 /// The distributed sampler: which samples each rank trains on, epoch by epoch.
 ///

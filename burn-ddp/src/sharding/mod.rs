@@ -9,7 +9,7 @@
 //! Burn's optimizer steps its own parameters only and keeps state for those only (Burn's
 //! `OptimizerAdaptor` leaves a parameter without a gradient alone); then every rank's updated
 //! parameters go to every rank in one
-//! [`all_gather_f32`](crate::group::ExtendedCollectives::all_gather_f32)
+//! [`all_gather_f32`](burn_ddp_comm::group::ExtendedCollectives::all_gather_f32)
 //! ([`OptimizerShards::gather_stepped`]), as raw bytes, so the replicas stay bit-identical
 //! before the step returns.
 
@@ -28,8 +28,8 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::error::Result;
-use crate::group::{ExtendedCollectives, ProcessGroup};
 use crate::replica::{ReplicaLayout, TensorKind, restore_selected, snapshot_selected_into};
+use burn_ddp_comm::group::{ExtendedCollectives, ProcessGroup};
 
 /// Which rank owns which parameters under optimizer-state sharding.
 ///
@@ -274,13 +274,16 @@ impl OptimizerShards {
         }
         // Buffers kept from step to step: a fresh 2 x 11 MB a step (the benchmark's MLP on 2
         // ranks) cost more in page faults than the copies themselves.
-        let mut buffers = crate::group::lock(&self.buffers);
+        let mut buffers = self
+            .buffers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (mine, all) = &mut *buffers;
         *mine = snapshot_selected_into(&module, &selections[self.rank], std::mem::take(mine));
         mine.resize(block, 0.0);
         all.resize(block * self.world_size, 0.0);
         if let Err(err) = group.all_gather_f32(mine, all, timeout) {
-            return (module, Err(err));
+            return (module, Err(err.into()));
         }
         let mut module = module;
         for (owner, select) in selections.iter().enumerate() {
@@ -499,8 +502,8 @@ mod tests {
 
     #[test]
     fn after_the_gather_every_rank_holds_each_owners_values_bit_for_bit() {
-        use crate::group::ThreadGroup;
         use crate::replica::tensor_fingerprints;
+        use burn_ddp_comm::group::ThreadGroup;
         // Rank r's model: its own random draw (as if each had stepped differently).
         let models: Vec<Net<Autodiff<B>>> = (0..3).map(|_| net::<Autodiff<B>>()).collect();
         let layout = ReplicaLayout::of(&models[0]);

@@ -17,7 +17,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::OptimizerShards;
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
+use burn_ddp_comm::group::ProcessGroup;
 
 /// The optimizer of a run with
 /// [`DdpConfig::with_optimizer_sharding`](crate::DdpConfig::with_optimizer_sharding): one of
@@ -179,7 +179,7 @@ impl ShardedStep {
 /// all-gathers every rank's. Returns whether a `ShardedOptimizer` stepped.
 ///
 /// # Errors
-/// The all-gather's ([`DdpError::Timeout`], [`DdpError::PeerLeft`], ...).
+/// The all-gather's ([`CommError::Timeout`](crate::comm::CommError::Timeout), [`CommError::PeerLeft`](crate::comm::CommError::PeerLeft), ...).
 pub(crate) fn sharded_step(
     shards: &OptimizerShards,
     group: Arc<dyn ProcessGroup>,

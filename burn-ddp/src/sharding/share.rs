@@ -1,6 +1,6 @@
 //! The updated parameters of a sharded step handed between thread replicas on one device by
 //! reference: each rank shares the tensors it owns and stepped
-//! ([`all_gather_shared`](crate::group::ExtendedCollectives::all_gather_shared)) and takes the
+//! ([`all_gather_shared`](burn_ddp_comm::group::ExtendedCollectives::all_gather_shared)) and takes the
 //! others' as they are, with no copy through host memory. Each taken tensor becomes a fresh leaf
 //! of this replica's autodiff graph (the inner backend's tensor, shared; a new node of its own),
 //! with the parameter's id and whether it requires gradients. Every place takes its owner's
@@ -17,7 +17,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::error::{DdpError, Result};
-use crate::group::{ExtendedCollectives, ProcessGroup, SharedValue};
+use burn_ddp_comm::group::{ExtendedCollectives, ProcessGroup, SharedValue};
 
 /// One rank's stepped parameters, shared.
 struct Stepped<B: Backend> {
@@ -63,7 +63,7 @@ pub(super) fn share_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
     let all = match group.all_gather_shared(shared, None, timeout) {
         Ok(Some((all, _))) => all,
         Ok(None) => return (module, None),
-        Err(err) => return (module, Some(Err(err))),
+        Err(err) => return (module, Some(Err(err.into()))),
     };
     let mut parts = Vec::with_capacity(all.len());
     for (peer, value) in all.into_iter().enumerate() {

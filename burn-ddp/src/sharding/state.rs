@@ -23,7 +23,7 @@ use serde::Deserialize;
 
 use super::OptimizerShards;
 use crate::error::{DdpError, Result};
-use crate::group::{ExtendedCollectives, ProcessGroup};
+use burn_ddp_comm::group::{ExtendedCollectives, ProcessGroup};
 
 /// One entry of a record's top-level map: the parameter's key and its value as MessagePack.
 type Entry = (String, Vec<u8>);
@@ -309,8 +309,8 @@ mod tests {
     use burn::tensor::Tensor;
 
     use super::*;
-    use crate::group::ThreadGroup;
     use crate::replica::ReplicaLayout;
+    use burn_ddp_comm::group::ThreadGroup;
 
     type B = Autodiff<NdArray>;
 

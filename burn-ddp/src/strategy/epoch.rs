@@ -28,12 +28,12 @@ use super::validation::{ValidShard, Validating};
 use crate::config::{BufferSync, DdpConfig};
 use crate::ddp::DistributedDataParallel;
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
-use crate::group::counting::Counts;
 use crate::lockstep::Position;
 use crate::metrics::{EpochReport, RankReport, TrainingReport};
 use crate::monitor::SyncWatch;
 use crate::reducer::ReduceOutcome;
+use burn_ddp_comm::group::Counts;
+use burn_ddp_comm::group::ProcessGroup;
 
 /// The rank as the parts of its training see it ([`Comm`]), borrowing only the trainer's fields
 /// it names (so the role and the events can be borrowed beside it).
@@ -482,7 +482,7 @@ where
                 )?;
                 report.compute += started.elapsed();
                 report.batches += 1;
-                Ok(output)
+                Ok::<_, DdpError>(output)
             })
             .transpose()?;
         if run.policy.join() && crate::sync_bn::used_on_this_thread() {
@@ -638,7 +638,7 @@ where
             let model = crate::replica::restore_selected(model, snapshot, &run.buffers);
             self.learner.load_model(model.into_record());
         }
-        crate::log::warn_console(&format!(
+        burn_ddp_comm::log::warn_console(&format!(
             "rank {}: skipped step {} of epoch {}: the gradients are not finite",
             self.rank, state.step, state.epoch
         ));
@@ -787,7 +787,7 @@ where
     /// The stop signal this process received, when the configuration honours them.
     fn signal(&self) -> Option<i32> {
         if self.config.stop_on_signal() {
-            crate::signals::received()
+            burn_ddp_comm::signals::received()
         } else {
             None
         }

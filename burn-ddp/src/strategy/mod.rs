@@ -15,6 +15,7 @@
 //! starts from.
 
 mod checkpointing;
+mod device_group;
 mod epoch;
 mod events;
 mod handoff;
@@ -41,8 +42,8 @@ use burn::train::{
 
 use crate::config::DdpConfig;
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
 use crate::metrics::TrainingReport;
+use burn_ddp_comm::group::ProcessGroup;
 
 type InferenceModel<LC> = <LC as LearningComponentsTypes>::InferenceModel;
 
@@ -131,7 +132,8 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
             report: Arc::default(),
             error: Arc::default(),
             restarted: false,
-            run_id: crate::auth::run_id_from_env().unwrap_or_else(crate::auth::local_run_id),
+            run_id: burn_ddp_comm::auth::run_id_from_env()
+                .unwrap_or_else(burn_ddp_comm::auth::local_run_id),
         }
     }
 
@@ -139,7 +141,7 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// single-device training data-parallel in either mode.
     ///
     /// - No launcher variables (`RANK`/`WORLD_SIZE`, Slurm's, Open MPI's; see
-    ///   [`Topology::from_env`](crate::mechanism::Topology::from_env)): one replica per device of
+    ///   [`Topology::from_env`](crate::comm::topology::Topology::from_env)): one replica per device of
     ///   `devices`, each a thread of this process, as [`new`](Self::new).
     /// - Started by `burn-ddp run` (or with its torchrun-style variables set otherwise), `srun` or
     ///   `mpirun`: one replica in this process, on
@@ -179,10 +181,10 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// [`DdpError::InvalidConfig`] also when the local rank has no device of its own
     /// (`local_rank >= devices.len()` among several different devices).
     ///
-    /// [`TcpGroup`]: crate::group::TcpGroup
-    /// [`TcpGroupOptions::default`]: crate::group::TcpGroupOptions
+    /// [`TcpGroup`]: burn_ddp_comm::group::TcpGroup
+    /// [`TcpGroupOptions::default`]: burn_ddp_comm::group::TcpGroupOptions
     pub fn from_env(devices: Vec<Device<TrainingBackend<LC>>>) -> Result<Self> {
-        Self::from_env_with(devices, &crate::group::TcpGroupOptions::default())
+        Self::from_env_with(devices, &burn_ddp_comm::group::TcpGroupOptions::default())
     }
 
     /// [`from_env`](Self::from_env) with the process group's connection options (the
@@ -192,7 +194,7 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// As [`from_env`](Self::from_env).
     pub fn from_env_with(
         devices: Vec<Device<TrainingBackend<LC>>>,
-        options: &crate::group::TcpGroupOptions,
+        options: &burn_ddp_comm::group::TcpGroupOptions,
     ) -> Result<Self> {
         if devices.is_empty() {
             return Err(DdpError::InvalidConfig(
@@ -200,9 +202,9 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
             ));
         }
         #[cfg(feature = "mpi")]
-        if crate::group::launched_by_mpi() {
+        if burn_ddp_comm::group::launched_by_mpi() {
             // Rank, world size and local rank from MPI itself: no MASTER_ADDR, no store.
-            let group = crate::group::MpiGroup::world()?;
+            let group = burn_ddp_comm::group::MpiGroup::world()?;
             let device = match local_device(&devices, group.rank(), group.local_rank()) {
                 Ok(device) => device,
                 Err(err) => {
@@ -214,14 +216,14 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
             crate::context::set_process(group.rank(), group.world_size());
             return Ok(Self::with_process_group(device, Arc::new(group)));
         }
-        let Some(topology) = crate::topology::Topology::from_env()? else {
+        let Some(topology) = burn_ddp_comm::topology::Topology::from_env()? else {
             // `burn_ddp::world_size()` answers the replica count from here on (to build a
             // DistributedDataLoader for it before training starts).
             crate::context::set_process(0, devices.len());
             return Ok(Self::new(devices));
         };
         let device = local_device(&devices, topology.rank, topology.local_rank)?;
-        let group = crate::group::TcpGroup::connect(&topology, options)?;
+        let group = burn_ddp_comm::group::TcpGroup::connect(&topology, options)?;
         crate::context::set_process(topology.rank, topology.world_size);
         // Without a job token, `TcpGroup::connect` warned on every rank before the group formed.
         let job = group.rendezvous().map(|r| r.job.clone());
@@ -387,8 +389,8 @@ where
                 if let DdpError::Preempted { .. } = err {
                     // The process was asked to end, and the checkpoint is written: end it, with
                     // the documented exit code (`launch_ddp` returns the error instead).
-                    crate::log::to_stderr(&format!("burn-ddp: {err}\n"));
-                    std::process::exit(crate::signals::PREEMPTED_EXIT_CODE);
+                    burn_ddp_comm::log::to_stderr(&format!("burn-ddp: {err}\n"));
+                    std::process::exit(burn_ddp_comm::signals::PREEMPTED_EXIT_CODE);
                 }
                 tracing::error!("burn-ddp: training failed: {err}");
                 // burn-train's `fit` cannot return an error and rank 0's event processor is

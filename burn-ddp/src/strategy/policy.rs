@@ -4,8 +4,8 @@
 
 use crate::config::{DdpConfig, NonFinite, UnevenInputs};
 use crate::error::{DdpError, Result};
-use crate::group::ReduceOp;
 use crate::reducer::ReduceOptions;
+use burn_ddp_comm::group::ReduceOp;
 
 /// What the ranks agreed on before a step (the per-step all-gather).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use burn::train::{
 
 use super::metrics_file::MetricsFile;
 use super::resume::StepCheckpoints;
-use crate::group::ProcessGroup;
+use burn_ddp_comm::group::ProcessGroup;
 
 /// The backend of validation (the training backend without autodiff).
 pub(super) type InnerBackend<LC> = <TrainingBackend<LC> as AutodiffBackend>::InnerBackend;

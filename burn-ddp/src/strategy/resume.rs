@@ -105,7 +105,7 @@ pub(super) struct Resuming<'a> {
     /// The job's ranks.
     pub world_size: usize,
     /// The key this job signs its checkpoints with (a token's), if any.
-    pub key: Option<crate::auth::CheckpointKey>,
+    pub key: Option<burn_ddp_comm::auth::CheckpointKey>,
 }
 
 /// A checkpoint found, with the run that wrote it (`None`: no burn-ddp state says).
@@ -255,7 +255,10 @@ pub(super) fn prepare<LC: LearningComponentsTypes>(
     };
     let (loaded, skipped) = loading.newest(mine, starting_epoch)?;
     for skip in &skipped {
-        crate::log::warn_console(&format!("rank {}: not resuming from {skip}", resuming.rank));
+        burn_ddp_comm::log::warn_console(&format!(
+            "rank {}: not resuming from {skip}",
+            resuming.rank
+        ));
     }
     let (learner, mut resume) = match loaded {
         Some((learner, resume)) => (Some(learner), resume),
@@ -310,7 +313,7 @@ fn refuse_foreign_epoch_checkpoints(config: &DdpConfig, resuming: &Resuming<'_>)
     );
     if config.overwrite_checkpoints() {
         if resuming.rank == 0 {
-            crate::log::warn_console(&format!(
+            burn_ddp_comm::log::warn_console(&format!(
                 "checkpoint {}: this run ({run_id}) replaces burn-train's checkpoints of \
                  epoch(s) {} of {whose} as it writes its own (with_overwrite_checkpoints)",
                 dir.display(),
@@ -363,7 +366,10 @@ fn candidates(
     };
     let (found, unreadable) = candidates_in(dir, with_epochs);
     for why in unreadable {
-        crate::log::warn_console(&format!("rank {}: not resuming from {why}", resuming.rank));
+        burn_ddp_comm::log::warn_console(&format!(
+            "rank {}: not resuming from {why}",
+            resuming.rank
+        ));
     }
     Ok(Some((dir.to_path_buf(), found, true)))
 }
@@ -372,7 +378,7 @@ fn candidates(
 struct Loading<'a, LC: LearningComponentsTypes> {
     /// The job's key when only this run's own checkpoints are taken: they must be signed with
     /// it.
-    key: Option<&'a crate::auth::CheckpointKey>,
+    key: Option<&'a burn_ddp_comm::auth::CheckpointKey>,
     learner: &'a Learner<LC>,
     epochs: Option<&'a LearningCheckpointer<LC>>,
     device: &'a Device<TrainingBackend<LC>>,
@@ -403,7 +409,7 @@ impl<LC: LearningComponentsTypes> Loading<'_, LC> {
             match self.load(&candidate)? {
                 Ok(loaded) => {
                     if self.resuming.rank == 0 {
-                        crate::log::info_console(&format!(
+                        burn_ddp_comm::log::info_console(&format!(
                             "resuming from {} of run {}",
                             candidate.describe(self.dir),
                             owner.as_deref().unwrap_or("unknown")
@@ -517,7 +523,7 @@ fn counters_after_epoch(dir: &Path, resume: &mut Resume, resuming: &Resuming<'_>
             resume.optimizer_steps = state.optimizer_steps;
             resume.synchronisations = resume.synchronisations.max(state.synchronisations);
             if state.world_size != world_size && rank == 0 {
-                crate::log::warn_console(&format!(
+                burn_ddp_comm::log::warn_console(&format!(
                     "resuming after epoch {finished}, written by a job of world size {}, with \
                      world size {world_size}: the data is re-sharded (with DistributedSampler \
                      every step still sees the same samples if the global batch is the same, \
@@ -577,7 +583,7 @@ fn nothing_to_resume(
         });
     }
     if rank == 0 {
-        crate::log::warn_console(&format!(
+        burn_ddp_comm::log::warn_console(&format!(
             "restarted by the launcher, but nothing to resume from in {}: {detail}; training \
              starts from the beginning",
             dir.display()
@@ -616,7 +622,7 @@ pub(super) struct StepCheckpoints<LC: LearningComponentsTypes> {
     /// The run whose checkpoints these are (`None`: one written before files carried it).
     run_id: Option<String>,
     /// Signs the state files when the job has a token.
-    key: Option<crate::auth::CheckpointKey>,
+    key: Option<burn_ddp_comm::auth::CheckpointKey>,
     checkpointer: LearningCheckpointer<LC>,
     /// Where the background writers report a failed write.
     failures: Interrupter,
@@ -625,7 +631,7 @@ pub(super) struct StepCheckpoints<LC: LearningComponentsTypes> {
 impl<LC: LearningComponentsTypes> StepCheckpoints<LC> {
     /// The step checkpoints of run `run_id` in `dir` (full-precision MessagePack, written
     /// atomically), signed with `key` when given.
-    pub fn new(dir: &Path, run_id: &str, key: Option<crate::auth::CheckpointKey>) -> Self {
+    pub fn new(dir: &Path, run_id: &str, key: Option<burn_ddp_comm::auth::CheckpointKey>) -> Self {
         Self::with_prefixes(dir, Some(run_id), key, StepState::prefixes_of(Some(run_id)))
     }
 
@@ -637,7 +643,7 @@ impl<LC: LearningComponentsTypes> StepCheckpoints<LC> {
     fn with_prefixes(
         dir: &Path,
         run_id: Option<&str>,
-        key: Option<crate::auth::CheckpointKey>,
+        key: Option<burn_ddp_comm::auth::CheckpointKey>,
         [model, optim, scheduler]: [String; 3],
     ) -> Self {
         let recorder = AtomicRecorder::new(NamedMpkFileRecorder::<FullPrecisionSettings>::new());
@@ -731,7 +737,7 @@ impl<LC: LearningComponentsTypes> StepCheckpoints<LC> {
     }
 
     /// The key that signs the run's state files, when the job has a token.
-    pub fn key(&self) -> Option<&crate::auth::CheckpointKey> {
+    pub fn key(&self) -> Option<&burn_ddp_comm::auth::CheckpointKey> {
         self.key.as_ref()
     }
 

@@ -21,8 +21,8 @@ use super::worker::{run_all, split_train_loader};
 use super::{DdpStrategy, lock, rank, resume, startup};
 use crate::config::{UnevenInputs, Validation};
 use crate::error::{DdpError, Result};
-use crate::group::{ProcessGroup, ThreadGroup};
 use crate::metrics::TrainingReport;
+use burn_ddp_comm::group::{ProcessGroup, ThreadGroup};
 
 /// Rank 0's model and event processor, and the error that stopped training, if any.
 type RunOutcome<LC> = (
@@ -74,7 +74,10 @@ where
         let world_size = self.world_size();
         // Stop signals are recorded (not fatal) while the run lasts, so every rank can stop at
         // the same step and rank 0 can write a checkpoint of it.
-        let _signals = self.config.stop_on_signal().then(crate::signals::arm);
+        let _signals = self
+            .config
+            .stop_on_signal()
+            .then(burn_ddp_comm::signals::arm);
         let accumulation = components.grad_accumulation.unwrap_or(1);
         let prepared = self.prepare(&dataloader_train, &dataloader_valid, accumulation);
         let Prepared {
@@ -240,7 +243,7 @@ where
             self.config
         );
         if first_rank == 0 {
-            crate::log::info_console(&start);
+            burn_ddp_comm::log::info_console(&start);
         } else {
             tracing::info!("burn-ddp: {start}");
         }
@@ -262,7 +265,7 @@ where
         if world_size > 1 && first_rank == 0 {
             let probe = Events::<LC>::new(threads, self.config.metrics_every(), world_size);
             if !probe.joins_training() {
-                crate::log::warn_console(&format!(
+                burn_ddp_comm::log::warn_console(&format!(
                     "the training output type ({}) is not one burn-ddp can join \
                      (burn_ddp::outputs::DistributedOutput): {}",
                     std::any::type_name::<rank::ModelOutput<LC>>(),
@@ -275,7 +278,7 @@ where
                 ));
             }
             if self.config.validation() == Validation::Sharded && !sharded {
-                crate::log::warn_console(&format!(
+                burn_ddp_comm::log::warn_console(&format!(
                     "the validation output type ({}) is not one burn-ddp can send between \
                      processes: rank 0 validates the whole set alone",
                     std::any::type_name::<rank::ValidOutput<LC>>()
@@ -391,7 +394,7 @@ where
             // The one-line switch gets the figures too, not only `launch_ddp` with a kept clone.
             let report = lock(&self.report).clone();
             if !report.epochs.is_empty() {
-                crate::log::to_stderr(&report.to_string());
+                burn_ddp_comm::log::to_stderr(&report.to_string());
             }
         }
         if let (Some(path), 0) = (self.config.metrics_file(), first_rank) {
@@ -412,8 +415,8 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
 
 /// The key that signs the run's checkpoint state files: the job's, when it has a token
 /// (`BURN_DDP_JOB_TOKEN`, or the launcher's workers' key).
-pub(super) fn checkpoint_key(run_id: &str) -> Option<crate::auth::CheckpointKey> {
-    crate::auth::JobIdentity::from_env(run_id)
+pub(super) fn checkpoint_key(run_id: &str) -> Option<burn_ddp_comm::auth::CheckpointKey> {
+    burn_ddp_comm::auth::JobIdentity::from_env(run_id)
         .ok()
         .and_then(|job| job.checkpoint_key())
 }

@@ -22,11 +22,11 @@ use burn::train::{
 };
 
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
 use crate::sharding::OptimizerShards;
 use crate::sharding::state::{
     Keys, checked_record, gather_record, optimizer_state_bytes, own_record,
 };
+use burn_ddp_comm::group::ProcessGroup;
 
 /// A checkpointer that hands each record it is given to a channel (or drops it).
 struct ToMemory<R> {

@@ -7,7 +7,7 @@
 //! `lockstep.rs`.)
 
 use crate::error::{DdpError, Result};
-use crate::group::ProcessGroup;
+use burn_ddp_comm::group::ProcessGroup;
 
 /// One rank's view of the run, compared across the ranks at start-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

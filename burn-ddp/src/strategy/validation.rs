@@ -30,7 +30,7 @@ use super::rank::{Comm, InnerBackend, Leader, ModelOutput, Part, Role, ValidOutp
 use super::wire::{bad_words, decode_entry, encode_entry, gather_words};
 use crate::error::{DdpError, Result};
 use crate::outputs::Codec;
-use crate::partition::chunk_range;
+use burn_ddp_comm::group::chunk_range;
 
 /// How long rank 0 waits for the thread ranks' validation outputs before it looks at the group
 /// again (an abort by a rank that failed).
@@ -319,12 +319,13 @@ where
         while done.len() < world_size {
             // A rank that failed while validating aborted the group: stop waiting for it.
             if let Some(cause) = self.comm.group.aborted() {
-                return Err(DdpError::Aborted {
+                return Err(burn_ddp_comm::CommError::Aborted {
                     rank,
-                    op: crate::group::Collective::Barrier,
+                    op: burn_ddp_comm::group::Collective::Barrier,
                     seq: 0,
                     cause: format!("while rank 0 collected the validation outputs: {cause}"),
-                });
+                }
+                .into());
             }
             let next = match self.events.stash.pop_front() {
                 Some(part) => Ok(part),

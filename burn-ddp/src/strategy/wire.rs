@@ -59,7 +59,7 @@ pub(super) fn decode_entry<T, D>(
 /// Every rank's `words` (of any length), in rank order: two all-gathers (the lengths, then the
 /// words padded to the longest).
 pub(super) fn gather_words(
-    group: &dyn crate::group::ProcessGroup,
+    group: &dyn burn_ddp_comm::group::ProcessGroup,
     words: Vec<u64>,
     timeout: std::time::Duration,
 ) -> Result<Vec<Vec<u64>>> {

@@ -18,10 +18,12 @@ use super::epoch::{Buffers, Trainer};
 use super::rank::{ModelOutput, Role, ValidOutput};
 use super::startup::Startup;
 use crate::ddp::DistributedDataParallel;
+use burn_ddp_comm::CommError;
+
+use super::lock;
 use crate::error::{DdpError, Result};
-use crate::group::counting::{CountingGroup, Counts};
-use crate::group::lock;
 use crate::metrics::RankReport;
+use burn_ddp_comm::group::{CountingGroup, Counts};
 
 /// What a rank's thread gives back: its counters and, on rank 0, burn-train's components.
 pub(super) struct Finished<LC: LearningComponentsTypes> {
@@ -94,10 +96,10 @@ where
     ValidOutput<LC>: 'static,
 {
     // CUDA replicas reduce with NCCL, in GPU memory (the host group bootstraps it).
-    trainer.group = crate::group::nccl::group_for_device(
+    trainer.group = super::device_group::group_for_device(
         trainer.group.clone(),
         &trainer.device,
-        &trainer.config,
+        trainer.config.timeout(),
     )?;
     // Every collective of this rank from here on is counted, with its bytes
     // (RankReport::step_collectives, step_bus_bytes).
@@ -361,7 +363,7 @@ pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
     }
     if !whole && !items.is_multiple_of(world_size) && ranks.contains(&0) {
         // It changes what is trained: on the console, not only in burn-train's log file.
-        crate::log::warn_console(&format!(
+        burn_ddp_comm::log::warn_console(&format!(
             "{items} training items do not divide between {world_size} replicas; the last {} \
              are not used (a DistributedDataLoader trains every item, as one device does)",
             items % world_size
@@ -374,7 +376,7 @@ pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
             if world_size == 1 {
                 loader.to_device(device)
             } else if whole {
-                let range = crate::partition::chunk_range(items, world_size, rank);
+                let range = burn_ddp_comm::group::chunk_range(items, world_size, rank);
                 loader.slice(range.start, range.end).to_device(device)
             } else {
                 loader
@@ -393,9 +395,9 @@ fn root_cause(errors: Vec<(usize, DdpError)>) -> Option<DdpError> {
     let weight = |e: &DdpError| match e {
         DdpError::WorkerPanicked { .. } => 0,
         DdpError::Preempted { .. } => 5,
-        DdpError::Aborted { .. } => 4,
-        DdpError::PeerLeft { .. } => 3,
-        DdpError::Timeout { .. } | DdpError::Unresponsive { .. } => 2,
+        DdpError::Comm(CommError::Aborted { .. }) => 4,
+        DdpError::Comm(CommError::PeerLeft { .. }) => 3,
+        DdpError::Comm(CommError::Timeout { .. }) | DdpError::Unresponsive { .. } => 2,
         _ => 1,
     };
     errors

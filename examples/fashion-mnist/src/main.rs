@@ -119,8 +119,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                // burn_ddp::log's events are printed to the console by burn-ddp already.
-                .unwrap_or_else(|_| "warn,burn_ddp=info,burn_ddp::log=off".into()),
+                // burn_ddp_comm::log's events are printed to the console by burn-ddp already.
+                .unwrap_or_else(|_| "warn,burn_ddp=info,burn_ddp_comm::log=off".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -223,8 +223,8 @@ fn cuda(args: &Args) -> Result<(), Failure> {
     use burn::backend::Cuda;
     use burn::backend::cuda::CudaDevice;
     // A clear error instead of a panic in Burn when there is no NVIDIA driver or NVRTC.
-    burn_ddp::group::nccl::check_cuda_driver().map_err(|e| e.to_string())?;
-    let gpus = burn_ddp::group::nccl::cuda_device_count().map_err(|e| e.to_string())?;
+    burn_ddp::comm::group::nccl::check_cuda_driver().map_err(|e| e.to_string())?;
+    let gpus = burn_ddp::comm::group::nccl::cuda_device_count().map_err(|e| e.to_string())?;
     let workers = args.workers.unwrap_or(gpus);
     if workers == 0 || workers > gpus {
         return Err(Failure::Other(format!(

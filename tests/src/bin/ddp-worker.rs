@@ -42,8 +42,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn_ddp::DdpConfig;
-use burn_ddp::mechanism::Topology;
-use burn_ddp::mechanism::launch::{LaunchConfig, launch};
+use burn_ddp::comm::launch::{LaunchConfig, launch};
+use burn_ddp::comm::topology::Topology;
 use burn_ddp_tests::{STEP_HOOK, train_example_cnn_from_env, write_tensors};
 
 struct Args {
@@ -390,7 +390,7 @@ fn mpi_case(raw: &[String]) -> ExitCode {
             let mut tiny = vec![rank as f32 + 1.0, 2.0];
             group.all_reduce(&mut tiny, ReduceOp::Sum, long)?;
             // 16-bit compression: f16 averages of the same inputs.
-            let format = burn_ddp::group::HalfFloat::F16;
+            let format = burn_ddp::comm::group::HalfFloat::F16;
             let mut half: Vec<u16> = (0..len)
                 .map(|i| format.from_f32(collective_input(rank, i)))
                 .collect();
@@ -428,7 +428,9 @@ fn mpi_case(raw: &[String]) -> ExitCode {
                 std::thread::sleep(Duration::from_secs(20));
                 Ok(())
             } else {
-                group.all_reduce(&mut [1.0; 16], ReduceOp::Sum, Duration::from_secs(1))
+                group
+                    .all_reduce(&mut [1.0; 16], ReduceOp::Sum, Duration::from_secs(1))
+                    .map_err(Into::into)
             }
         }
         "exit" => {
@@ -436,7 +438,9 @@ fn mpi_case(raw: &[String]) -> ExitCode {
                 err_line("ddp-worker rank 1: exiting without a collective".to_string());
                 std::process::exit(0);
             }
-            group.all_reduce(&mut [1.0; 16], ReduceOp::Sum, long)
+            group
+                .all_reduce(&mut [1.0; 16], ReduceOp::Sum, long)
+                .map_err(Into::into)
         }
         "mismatch-len" => {
             let mut bucket = vec![1.0f32; 10 + rank];
@@ -444,23 +448,27 @@ fn mpi_case(raw: &[String]) -> ExitCode {
             // The group refuses what follows.
             let second = group.barrier(long);
             err_line(format!("ddp-worker rank {rank}: then {second:?}"));
-            first
+            first.map_err(Into::into)
         }
         "mismatch-half" => {
-            use burn_ddp::group::HalfFloat;
+            use burn_ddp::comm::group::HalfFloat;
             let format = if rank == 0 {
                 HalfFloat::F16
             } else {
                 HalfFloat::Bf16
             };
-            group.all_reduce_half(&mut [0u16; 10], format, ReduceOp::Sum, long)
+            group
+                .all_reduce_half(&mut [0u16; 10], format, ReduceOp::Sum, long)
+                .map_err(Into::into)
         }
         "mismatch-op" => {
             let mut bucket = vec![1.0f32; 10];
             if rank == 0 {
-                group.all_reduce(&mut bucket, ReduceOp::Sum, long)
+                group
+                    .all_reduce(&mut bucket, ReduceOp::Sum, long)
+                    .map_err(Into::into)
             } else {
-                group.broadcast(&mut bucket, 0, long)
+                group.broadcast(&mut bucket, 0, long).map_err(Into::into)
             }
         }
         other => {

@@ -29,8 +29,8 @@ use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::record::CompactRecorder;
 use burn::tensor::ElementConversion;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn_ddp::comm::topology::Topology;
 use burn_ddp::group::{ReduceOp, TcpGroupOptions};
-use burn_ddp::mechanism::topology::Topology;
 use burn_ddp::{
     DdpConfig, DdpError, DistributedDataLoader, DistributedDataParallel, DistributedSampler,
     ProcessGroup,
@@ -93,7 +93,7 @@ fn main() -> ExitCode {
 /// This process's rank, when a launcher started it: `None` for a process on its own.
 fn process_group() -> Result<Option<Arc<dyn ProcessGroup>>, DdpError> {
     #[cfg(feature = "mpi")]
-    if burn_ddp::group::launched_by_mpi() {
+    if burn_ddp::comm::group::launched_by_mpi() {
         return Ok(Some(Arc::new(burn_ddp::group::MpiGroup::world()?)));
     }
     if Topology::from_env()?.is_none() {

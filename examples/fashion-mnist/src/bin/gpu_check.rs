@@ -33,10 +33,10 @@ use burn::backend::Cuda;
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn_ddp::comm::group::nccl::{NcclGroup, NcclIdSource};
+use burn_ddp::comm::group::{ExtendedCollectives, ProcessGroup, ReduceOp};
 use burn_ddp::config::GradientCompression;
 use burn_ddp::group::ThreadGroup;
-use burn_ddp::group::nccl::{NcclGroup, NcclIdSource};
-use burn_ddp::group::{ExtendedCollectives, ProcessGroup, ReduceOp};
 use clap::Parser;
 use serde_json::{Value, json};
 
@@ -100,7 +100,7 @@ fn run(args: &Args) -> Result<bool, String> {
         }
     };
     let started = Instant::now();
-    let built = burn_ddp::group::nccl::check_cuda_driver()
+    let built = burn_ddp::comm::group::nccl::check_cuda_driver()
         .and_then(|()| ThreadGroup::new_group(1))
         .and_then(|mut host| {
             NcclGroup::new(
@@ -118,7 +118,8 @@ fn run(args: &Args) -> Result<bool, String> {
             return Err(e.to_string());
         }
     };
-    summary["nccl_version"] = burn_ddp::group::nccl::version_string(group.nccl_version()).into();
+    summary["nccl_version"] =
+        burn_ddp::comm::group::nccl::version_string(group.nccl_version()).into();
     summary["nccl_init_s"] = started.elapsed().as_secs_f64().into();
     save(&summary);
 
@@ -266,7 +267,7 @@ fn exact_values(group: &NcclGroup) -> Value {
     let mut host = Vec::new();
     let mut buffer = values(1000, 5);
     let expected = buffer.clone();
-    let check = |name: &str, result: burn_ddp::Result<bool>| {
+    let check = |name: &str, result: burn_ddp::comm::Result<bool>| {
         json!({
             "op": name,
             "ok": result.as_ref().is_ok_and(|ok| *ok),

@@ -1,0 +1,557 @@
+//! Setting up a [`TcpGroup`]: the rendezvous, one TCP connection per pair of ranks (the higher
+//! rank connects to the lower) introduced by a handshake (magic, version, world size, rank,
+//! round), and the fast failure of an address a peer cannot use.
+
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use super::wire::Peer;
+use super::{ABORT_POLL_INTERVAL, TcpGroup};
+use crate::auth::{self, JobIdentity, Role, Service};
+use crate::error::{CommError, Result};
+use crate::rendezvous::rendezvous;
+use crate::topology::Topology;
+
+/// Connections at most in their handshake at once (more are closed at once).
+const MAX_HANDSHAKES: usize = 32;
+/// Connections in their handshake at once from one address (a peer told "busy" tries again).
+const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
+
+/// Options of [`TcpGroup::connect`].
+#[derive(Debug, Clone)]
+pub struct TcpGroupOptions {
+    /// How long the rendezvous and the connection set-up may take (default 300 s).
+    pub connect_timeout: Duration,
+    /// The job this process belongs to (its run id and key); `None` (the default): from the
+    /// environment ([`JobIdentity::from_env`]), with `tcp-MASTER_ADDR:MASTER_PORT` as the run id
+    /// when neither `BURN_DDP_RUN_ID` nor a scheduler gives one.
+    pub job: Option<JobIdentity>,
+}
+
+impl Default for TcpGroupOptions {
+    fn default() -> Self {
+        Self {
+            connect_timeout: crate::rendezvous::DEFAULT_RENDEZVOUS_TIMEOUT,
+            job: None,
+        }
+    }
+}
+
+/// How long a connection between two ranks has for its handshake.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// A rank's handshake context: rank, world size, restart round.
+fn context(rank: usize, world_size: usize, round: u64) -> Vec<u8> {
+    let mut c = Vec::with_capacity(16);
+    c.extend_from_slice(&(rank as u32).to_le_bytes());
+    c.extend_from_slice(&(world_size as u32).to_le_bytes());
+    c.extend_from_slice(&round.to_le_bytes());
+    c
+}
+
+/// A rank's handshake context, for tests that speak the handshake themselves.
+#[cfg(test)]
+pub(crate) fn tests_context(rank: usize, world_size: usize, round: u64) -> Vec<u8> {
+    context(rank, world_size, round)
+}
+
+/// The rank, world size and round of a handshake context.
+fn parse_context(c: &[u8]) -> Option<(usize, usize, u64)> {
+    let word = |i: usize| Some(u32::from_le_bytes(c.get(i..i + 4)?.try_into().ok()?) as usize);
+    Some((
+        word(0)?,
+        word(4)?,
+        u64::from_le_bytes(c.get(8..16)?.try_into().ok()?),
+    ))
+}
+
+/// The run id of a process group that meets through the store at `topology`'s address when no
+/// `BURN_DDP_RUN_ID` or scheduler names one (every rank computes the same).
+pub(crate) fn default_run_id(topology: &Topology) -> String {
+    format!(
+        "tcp-{}",
+        crate::store::host_port(&topology.master_addr, topology.master_port)
+    )
+}
+
+/// Before the group forms, on every rank: a job without a secret is open to anyone who reaches
+/// its ports, and one without a run id of its own (derived from the store's address) is not kept
+/// apart from another job started by hand on the same address either.
+fn warn_if_open(job: &JobIdentity, topology: &Topology, from_env: bool) {
+    if job.secret() != crate::auth::Secret::None {
+        return;
+    }
+    let store = crate::store::host_port(&topology.master_addr, topology.master_port);
+    let named = !from_env || crate::auth::run_id_from_env().is_some();
+    crate::log::warn_console(&format!(
+        "rank {}: no job token ({}): the rendezvous store at {store} and this rank's port accept \
+         any process that reaches them{}; set {} to the same secret on every process of the job \
+         (`openssl rand -hex 32`; burn-ddp run makes one by itself on one node)",
+        topology.rank,
+        crate::auth::JOB_TOKEN_VAR,
+        if named {
+            String::new()
+        } else {
+            format!(
+                ", and the run id `{}` comes from that address alone, so another job started by \
+                 hand there is taken for this one (set {} too)",
+                job.run_id(),
+                crate::auth::RUN_ID_VAR
+            )
+        },
+        crate::auth::JOB_TOKEN_VAR,
+    ));
+}
+
+impl TcpGroup {
+    /// Joins the job described by the environment (see [`Topology::from_env`]).
+    ///
+    /// # Errors
+    /// [`CommError::Topology`] when the environment does not describe a multi-process job, and
+    /// the errors of [`connect`](Self::connect).
+    pub fn from_env(options: &TcpGroupOptions) -> Result<TcpGroup> {
+        let topology = Topology::from_env()?.ok_or_else(|| {
+            CommError::Topology(
+                "this process is not part of a multi-process job: set RANK, WORLD_SIZE, \
+                 MASTER_ADDR and MASTER_PORT (or start it with `burn-ddp run`, srun or mpirun)"
+                    .into(),
+            )
+        })?;
+        Self::connect(&topology, options)
+    }
+
+    /// Meets the other processes of `topology` through the rendezvous store and connects to
+    /// each of them.
+    ///
+    /// # Errors
+    /// The rendezvous' errors ([`CommError::Rendezvous`], [`CommError::Store`]);
+    /// [`CommError::Connect`] when a peer cannot be reached or answers with a wrong handshake.
+    pub fn connect(topology: &Topology, options: &TcpGroupOptions) -> Result<TcpGroup> {
+        let rank = topology.rank;
+        let world_size = topology.world_size;
+        if topology.master_addr.is_empty() {
+            return Err(CommError::Topology(
+                "MASTER_ADDR is not set: a TcpGroup meets through a store at MASTER_ADDR \
+                 (under mpirun/srun, the `mpi` feature's MpiGroup needs none)"
+                    .into(),
+            ));
+        }
+        let started = Instant::now();
+        let deadline = started.checked_add(options.connect_timeout);
+        // Listen on the address this host uses to reach the store (a peer that reaches the store
+        // reaches it too, in the same address family), or on the interface
+        // `BURN_DDP_SOCKET_IFNAME` names.
+        let interface = match std::env::var(SOCKET_IFNAME_VAR) {
+            Ok(name) if !name.is_empty() => {
+                Some(interface_ip(&name).map_err(|detail| CommError::Connect {
+                    rank,
+                    peer: rank,
+                    addr: format!("{SOCKET_IFNAME_VAR}={name}"),
+                    detail,
+                })?)
+            }
+            _ => None,
+        };
+        let job = match &options.job {
+            Some(job) => job.clone(),
+            None => JobIdentity::from_env(&default_run_id(topology))?,
+        };
+        warn_if_open(&job, topology, options.job.is_none());
+        let mut listening = None;
+        let rendezvous = rendezvous(topology, options.connect_timeout, &job, |store_ip| {
+            let ip = interface.unwrap_or(store_ip);
+            let listener =
+                TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| CommError::Connect {
+                    rank,
+                    peer: rank,
+                    addr: format!("{ip}:0"),
+                    detail: format!("cannot listen: {e}"),
+                })?;
+            let addr = listener
+                .local_addr()
+                .map_err(|e| CommError::Connect {
+                    rank,
+                    peer: rank,
+                    addr: format!("{ip}:0"),
+                    detail: e.to_string(),
+                })?
+                .to_string();
+            listening = Some((listener, addr.clone()));
+            Ok(addr)
+        })?;
+        let Some((listener, listen_addr)) = listening else {
+            return Err(CommError::Rendezvous {
+                rank,
+                detail: "the rendezvous finished without a listening address".into(),
+            });
+        };
+
+        let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
+        let mine = context(rank, world_size, topology.restart_count);
+        // Connect to every lower rank.
+        for (peer, addr) in rendezvous.peer_addrs.iter().enumerate().take(rank) {
+            let connect_error = |detail: String| CommError::Connect {
+                rank,
+                peer,
+                addr: addr.clone(),
+                detail,
+            };
+            let target = addr
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| connect_error("address does not resolve".into()))?;
+            // The peer published this address after it started listening there: a refusal or
+            // an unreachable network does not get better by waiting, and a working network
+            // connects in milliseconds. Fail within seconds, naming the fix, and tell the peers
+            // through the store so they do not wait for this connection until their timeout.
+            let first_try = Instant::now();
+            let (stream, theirs) = loop {
+                let mut stream = loop {
+                    match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
+                        Ok(stream) => break stream,
+                        Err(e) => {
+                            let unusable = matches!(
+                                e.kind(),
+                                io::ErrorKind::ConnectionRefused
+                                    | io::ErrorKind::HostUnreachable
+                                    | io::ErrorKind::NetworkUnreachable
+                                    | io::ErrorKind::AddrNotAvailable
+                            );
+                            let waited = first_try.elapsed();
+                            let give_up = if unusable {
+                                UNUSABLE_ADDRESS_GRACE
+                            } else {
+                                UNREACHABLE_ADDRESS_WINDOW
+                            };
+                            if waited >= give_up || deadline.is_some_and(|d| Instant::now() >= d) {
+                                let err = connect_error(unusable_address(
+                                    peer,
+                                    addr,
+                                    &e,
+                                    waited,
+                                    topology,
+                                    &rendezvous.store.local_ip(),
+                                ));
+                                let _ = rendezvous
+                                    .store
+                                    .set(&Self::abort_key(&rendezvous), err.to_string().as_bytes());
+                                return Err(err);
+                            }
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                };
+                // The job's handshake: the lower rank challenges, both prove the job's key, and
+                // the acceptor checks this rank's place in the job.
+                match auth::connect(
+                    &mut stream,
+                    &job,
+                    Service::Group,
+                    Role::Worker,
+                    &mine,
+                    HANDSHAKE_DEADLINE,
+                ) {
+                    Ok(theirs) => break (stream, theirs),
+                    // The peer has many connections in their handshake (strangers?): again.
+                    Err(auth::Refusal::Busy) if deadline.is_none_or(|d| Instant::now() < d) => {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    Err(why) => return Err(connect_error(format!("handshake: {why}"))),
+                }
+            };
+            if parse_context(&theirs) != Some((peer, world_size, topology.restart_count)) {
+                return Err(connect_error(format!(
+                    "the process there is not rank {peer} of this job's world of {world_size} in \
+                     round {} (it says {:?})",
+                    topology.restart_count,
+                    parse_context(&theirs)
+                )));
+            }
+            peers[peer] = Some(Peer::new(addr.clone(), stream).map_err(connect_error)?);
+        }
+        // Accept every higher rank.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CommError::Connect {
+                rank,
+                peer: rank,
+                addr: listen_addr.clone(),
+                detail: e.to_string(),
+            })?;
+        let mut refusals = crate::gate::RateLimited::new(std::time::Duration::from_secs(10));
+        let abort_key = Self::abort_key(&rendezvous);
+        let mut abort_polled = Instant::now();
+        // Handshakes run on threads of their own, a bounded number at once, so a connection
+        // that stays silent (or sends garbage) cannot hold this loop from the real ranks.
+        type Shaken = (SocketAddr, TcpStream, std::result::Result<usize, String>);
+        let (shaken_tx, shaken_rx) = std::sync::mpsc::channel::<Shaken>();
+        let gate = crate::gate::Gate::new(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE);
+        while peers.iter().skip(rank + 1).any(Option::is_none) {
+            while let Ok((from, stream, verdict)) = shaken_rx.try_recv() {
+                match verdict.and_then(|peer| {
+                    if peers[peer].is_some() {
+                        Err(format!(
+                            "{from} claims rank {peer}, which is connected already"
+                        ))
+                    } else {
+                        Ok(peer)
+                    }
+                }) {
+                    Ok(peer) => {
+                        let addr = from.to_string();
+                        peers[peer] = Some(Peer::new(addr.clone(), stream).map_err(|detail| {
+                            CommError::Connect {
+                                rank,
+                                peer,
+                                addr,
+                                detail,
+                            }
+                        })?);
+                    }
+                    Err(why) => {
+                        if let Some(left_out) = refusals.allow() {
+                            tracing::warn!(
+                                "burn-ddp: rank {rank}: refused a connection: {} ({left_out} \
+                                 more refused since the last such line)",
+                                crate::gate::printable(&why)
+                            );
+                        }
+                    }
+                }
+            }
+            if peers.iter().skip(rank + 1).all(Option::is_some) {
+                break;
+            }
+            match listener.accept() {
+                Ok((mut stream, from)) => {
+                    let Ok(pass) = gate.enter(from.ip()) else {
+                        auth::refuse_busy(&mut stream);
+                        continue;
+                    };
+                    let (job, mine, tx) = (job.clone(), mine.clone(), shaken_tx.clone());
+                    let restart = topology.restart_count;
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name("burn-ddp-handshake".into())
+                            .spawn(move || {
+                                let _ = stream.set_nonblocking(false);
+                                let verdict = auth::accept(
+                                    &mut stream,
+                                    &job,
+                                    Service::Group,
+                                    &mine,
+                                    HANDSHAKE_DEADLINE,
+                                )
+                                .map_err(|why| format!("{from}: {why}"))
+                                .and_then(|accepted| match parse_context(&accepted.context) {
+                                    Some((peer, world, round))
+                                        if world == world_size
+                                            && round == restart
+                                            && peer > rank
+                                            && peer < world_size =>
+                                    {
+                                        Ok(peer)
+                                    }
+                                    other => Err(format!(
+                                        "{from} says (rank, world size, round) {other:?}; rank \
+                                         {rank} has world size {world_size} round {restart}"
+                                    )),
+                                });
+                                drop(pass);
+                                let _ = tx.send((from, stream, verdict));
+                            });
+                    // A handshake thread that cannot start gives its slot back as it drops.
+                    drop(spawned);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // A higher rank that cannot reach this one says so in the store.
+                    if abort_polled.elapsed() >= ABORT_POLL_INTERVAL {
+                        abort_polled = Instant::now();
+                        if let Ok(present) = rendezvous.store.check(&[&abort_key])
+                            && present.first() == Some(&true)
+                        {
+                            let reason = rendezvous
+                                .store
+                                .get(&abort_key, Duration::from_secs(1))
+                                .map(|r| String::from_utf8_lossy(&r).into_owned())
+                                .unwrap_or_default();
+                            let missing: Vec<usize> = (rank + 1..world_size)
+                                .filter(|&p| peers[p].is_none())
+                                .collect();
+                            return Err(CommError::Connect {
+                                rank,
+                                peer: missing.first().copied().unwrap_or(rank),
+                                addr: listen_addr,
+                                detail: format!("rank(s) {missing:?} will not connect: {reason}"),
+                            });
+                        }
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        let missing: Vec<usize> = (rank + 1..world_size)
+                            .filter(|&p| peers[p].is_none())
+                            .collect();
+                        return Err(CommError::Connect {
+                            rank,
+                            peer: missing[0],
+                            addr: listen_addr,
+                            detail: format!(
+                                "rank(s) {missing:?} did not connect within {} s",
+                                options.connect_timeout.as_secs_f64()
+                            ),
+                        });
+                    }
+                    crate::net::wait_for_connection(&listener, Duration::from_millis(10));
+                }
+                Err(e) => {
+                    return Err(CommError::Connect {
+                        rank,
+                        peer: rank,
+                        addr: listen_addr,
+                        detail: format!("accept: {e}"),
+                    });
+                }
+            }
+        }
+        tracing::info!(
+            "burn-ddp: rank {rank} of {world_size} connected over TCP in {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
+        Ok(TcpGroup {
+            rank,
+            world_size,
+            seq: AtomicU64::new(0),
+            peers,
+            aborted: Mutex::new(None),
+            rendezvous: Some(rendezvous),
+            abort_polled: Mutex::new(None),
+            scratch: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+/// The variable naming the network interface whose address ranks listen on and publish (like
+/// NCCL's `NCCL_SOCKET_IFNAME`, Gloo's `GLOO_SOCKET_IFNAME`): for hosts where the interface that
+/// reaches the store is not the one other nodes reach this host on.
+pub const SOCKET_IFNAME_VAR: &str = "BURN_DDP_SOCKET_IFNAME";
+
+/// How long a published address may refuse connections (or report no route) before it is
+/// declared unusable: its rank listens there before publishing it, so only a race with a
+/// restarting network would need more.
+const UNUSABLE_ADDRESS_GRACE: Duration = Duration::from_secs(2);
+
+/// How long connection attempts to a published address may time out before it is declared
+/// unreachable (packets dropped by a firewall or routed nowhere).
+const UNREACHABLE_ADDRESS_WINDOW: Duration = Duration::from_secs(10);
+
+/// Why `peer`'s published `addr` cannot be used from this rank, and what to change.
+fn unusable_address(
+    peer: usize,
+    addr: &str,
+    error: &io::Error,
+    waited: Duration,
+    topology: &Topology,
+    mine: &std::net::IpAddr,
+) -> String {
+    let loopback = addr
+        .parse::<SocketAddr>()
+        .map(|a| a.ip().is_loopback())
+        .unwrap_or(false);
+    let hint = if loopback && !mine.is_loopback() {
+        format!(
+            "rank {peer} published a loopback address, which other hosts cannot reach: it met \
+             the store through a loopback MASTER_ADDR on its own host, while this rank reaches \
+             the store at {}:{} over the network; give every node the same MASTER_ADDR, an \
+             address of the store's host that every node reaches (`burn-ddp run --master-addr`)",
+            topology.master_addr, topology.master_port
+        )
+    } else {
+        format!(
+            "rank {peer} publishes the address of the interface it reaches the store with \
+             (MASTER_ADDR={}); if other nodes cannot reach that interface (a container bridge, \
+             a second network), set {SOCKET_IFNAME_VAR} to the interface they reach it on, or \
+             use a MASTER_ADDR every node reaches through the same network (`burn-ddp run \
+             --master-addr`)",
+            topology.master_addr
+        )
+    };
+    format!(
+        "rank {peer} published {addr} for its peers, but rank {} cannot connect to it ({error}, \
+         after {:.1} s): {hint}",
+        topology.rank,
+        waited.as_secs_f64()
+    )
+}
+
+/// The IPv4 (else IPv6) address of the network interface `name`.
+#[cfg(unix)]
+fn interface_ip(name: &str) -> std::result::Result<std::net::IpAddr, String> {
+    use std::ffi::CStr;
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: `getifaddrs` fills `list` with a linked list we free below with `freeifaddrs`.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return Err(format!(
+            "cannot list the network interfaces: {}",
+            io::Error::last_os_error()
+        ));
+    }
+    let mut found: Option<std::net::IpAddr> = None;
+    let mut names: Vec<String> = Vec::new();
+    let mut cursor = list;
+    while !cursor.is_null() {
+        // SAFETY: `cursor` is a node of the list `getifaddrs` returned, not yet freed.
+        let entry = unsafe { &*cursor };
+        cursor = entry.ifa_next;
+        if entry.ifa_name.is_null() || entry.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: `ifa_name` is a NUL-terminated string owned by the list.
+        let entry_name = unsafe { CStr::from_ptr(entry.ifa_name) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: `ifa_addr` points to a sockaddr whose family says which struct it is.
+        let ip = unsafe {
+            match i32::from((*entry.ifa_addr).sa_family) {
+                libc::AF_INET => {
+                    let v4 = &*(entry.ifa_addr as *const libc::sockaddr_in);
+                    Some(std::net::IpAddr::from(
+                        u32::from_be(v4.sin_addr.s_addr).to_be_bytes(),
+                    ))
+                }
+                libc::AF_INET6 => {
+                    let v6 = &*(entry.ifa_addr as *const libc::sockaddr_in6);
+                    Some(std::net::IpAddr::from(v6.sin6_addr.s6_addr))
+                }
+                _ => None,
+            }
+        };
+        if !names.contains(&entry_name) {
+            names.push(entry_name.clone());
+        }
+        if entry_name == name
+            && let Some(ip) = ip
+            && (found.is_none() || ip.is_ipv4())
+            && !found.is_some_and(|f| f.is_ipv4())
+        {
+            found = Some(ip);
+        }
+    }
+    // SAFETY: frees the list `getifaddrs` allocated; no reference into it outlives this call.
+    unsafe { libc::freeifaddrs(list) };
+    found.ok_or_else(|| {
+        format!(
+            "no interface {name} with an IP address (interfaces: {})",
+            names.join(", ")
+        )
+    })
+}
+
+#[cfg(not(unix))]
+fn interface_ip(name: &str) -> std::result::Result<std::net::IpAddr, String> {
+    Err(format!(
+        "{SOCKET_IFNAME_VAR}={name}: interfaces are only looked up on Unix"
+    ))
+}
