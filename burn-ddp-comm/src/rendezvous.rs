@@ -83,72 +83,14 @@ pub fn rendezvous(
         format!("{world_size} {listen_addr}").as_bytes(),
     )?;
 
-    let keys: Vec<String> = (0..world_size)
-        .map(|r| format!("{prefix}/rank/{r}/info"))
-        .collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let deadline = started.checked_add(timeout);
-    let mut infos: Vec<Option<(usize, String)>> = vec![None; world_size];
-    let list = |ranks: &[usize]| {
-        ranks
-            .iter()
-            .map(usize::to_string)
-            .collect::<Vec<_>>()
-            .join(", ")
+    let arrivals = Arrivals {
+        rank,
+        world_size,
+        prefix: &prefix,
+        store: &store,
+        store_addr: &store_addr,
     };
-    // "expected 3 ranks, 2 arrived (0, 1) <when>; missing rank(s) 2 (store ...)".
-    let incomplete = |infos: &[Option<(usize, String)>], when: String| {
-        let arrived: Vec<usize> = (0..world_size).filter(|&r| infos[r].is_some()).collect();
-        let missing: Vec<usize> = (0..world_size).filter(|&r| infos[r].is_none()).collect();
-        fail(format!(
-            "expected {world_size} ranks, {} arrived ({}) {when}; missing rank(s) {} (store \
-             {store_addr})",
-            arrived.len(),
-            list(&arrived),
-            list(&missing),
-        ))
-    };
-    loop {
-        let present = match store.check(&key_refs) {
-            Ok(present) => present,
-            // The store's process ended (rank 0 gave up first, or died): say who was there.
-            Err(e) => {
-                return Err(incomplete(
-                    &infos,
-                    format!("when the store stopped answering ({e})"),
-                ));
-            }
-        };
-        for (r, here) in present.iter().enumerate() {
-            if *here && infos[r].is_none() {
-                let raw = store.get(&keys[r], Duration::from_secs(5))?;
-                let text = String::from_utf8_lossy(&raw).to_string();
-                let (world, addr) = text
-                    .split_once(' ')
-                    .and_then(|(w, a)| Some((w.parse::<usize>().ok()?, a.to_string())))
-                    .ok_or_else(|| {
-                        fail(format!("rank {r} published a malformed entry {text:?}"))
-                    })?;
-                if world != world_size {
-                    return Err(fail(format!(
-                        "rank {r} has WORLD_SIZE={world} but this rank (rank {rank}) has \
-                         WORLD_SIZE={world_size}"
-                    )));
-                }
-                infos[r] = Some((world, addr));
-            }
-        }
-        if infos.iter().all(Option::is_some) {
-            break;
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Err(incomplete(
-                &infos,
-                format!("after {} s", timeout.as_secs_f64()),
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let peer_addrs = arrivals.wait(started.checked_add(timeout), timeout)?;
     tracing::debug!(
         "burn-ddp: rank {rank}: all {world_size} ranks met in {:.2} s",
         started.elapsed().as_secs_f64()
@@ -156,13 +98,102 @@ pub fn rendezvous(
     Ok(Rendezvous {
         store,
         server,
-        peer_addrs: infos
-            .into_iter()
-            .map(|info| info.map(|(_, addr)| addr).unwrap_or_default())
-            .collect(),
+        peer_addrs,
         prefix,
         job: job.clone(),
     })
+}
+
+/// Every rank's entry of a rendezvous round (`<prefix>/rank/<r>/info`: its world size and
+/// address), as they arrive in the store.
+struct Arrivals<'a> {
+    rank: usize,
+    world_size: usize,
+    prefix: &'a str,
+    store: &'a StoreClient,
+    store_addr: &'a str,
+}
+
+impl Arrivals<'_> {
+    /// Every rank's published address, once all have arrived, indexed by rank.
+    ///
+    /// # Errors
+    /// [`CommError::Rendezvous`] when the deadline passes or the store stops answering first
+    /// (naming the ranks that arrived and those missing), an entry is malformed, or a rank has
+    /// another world size.
+    fn wait(&self, deadline: Option<Instant>, timeout: Duration) -> Result<Vec<String>> {
+        let keys: Vec<String> = (0..self.world_size)
+            .map(|r| format!("{}/rank/{r}/info", self.prefix))
+            .collect();
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut addrs: Vec<Option<String>> = vec![None; self.world_size];
+        loop {
+            let present = match self.store.check(&key_refs) {
+                Ok(present) => present,
+                // The store's process ended (rank 0 gave up first, or died): say who was there.
+                Err(e) => {
+                    return Err(
+                        self.incomplete(&addrs, format!("when the store stopped answering ({e})"))
+                    );
+                }
+            };
+            for (r, here) in present.iter().enumerate() {
+                if *here && addrs[r].is_none() {
+                    addrs[r] = Some(self.read(r, &keys[r])?);
+                }
+            }
+            if addrs.iter().all(Option::is_some) {
+                return Ok(addrs.into_iter().map(Option::unwrap_or_default).collect());
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(self.incomplete(&addrs, format!("after {} s", timeout.as_secs_f64())));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Rank `r`'s address, from its entry at `key`, checked against this rank's world size.
+    fn read(&self, r: usize, key: &str) -> Result<String> {
+        let raw = self.store.get(key, Duration::from_secs(5))?;
+        let text = String::from_utf8_lossy(&raw).to_string();
+        let (world, addr) = text
+            .split_once(' ')
+            .and_then(|(w, a)| Some((w.parse::<usize>().ok()?, a.to_string())))
+            .ok_or_else(|| self.fail(format!("rank {r} published a malformed entry {text:?}")))?;
+        if world != self.world_size {
+            return Err(self.fail(format!(
+                "rank {r} has WORLD_SIZE={world} but this rank (rank {}) has WORLD_SIZE={}",
+                self.rank, self.world_size
+            )));
+        }
+        Ok(addr)
+    }
+
+    /// "expected 3 ranks, 2 arrived (0, 1) <when>; missing rank(s) 2 (store ...)".
+    fn incomplete(&self, addrs: &[Option<String>], when: String) -> CommError {
+        let list = |present: bool| -> Vec<String> {
+            (0..self.world_size)
+                .filter(|&r| addrs[r].is_some() == present)
+                .map(|r| r.to_string())
+                .collect()
+        };
+        let arrived = list(true);
+        self.fail(format!(
+            "expected {} ranks, {} arrived ({}) {when}; missing rank(s) {} (store {})",
+            self.world_size,
+            arrived.len(),
+            arrived.join(", "),
+            list(false).join(", "),
+            self.store_addr,
+        ))
+    }
+
+    fn fail(&self, detail: String) -> CommError {
+        CommError::Rendezvous {
+            rank: self.rank,
+            detail,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -128,11 +128,6 @@ impl Topology {
     }
 
     fn read(vars: &Vars<'_>) -> Result<Option<Topology>> {
-        let torchrun = vars.has("RANK") || vars.has("WORLD_SIZE");
-        let slurm =
-            vars.has("SLURM_PROCID") && vars.has("SLURM_NTASKS") && vars.has("SLURM_STEP_ID");
-        let mpi = vars.has("OMPI_COMM_WORLD_RANK");
-        let launched = vars.has(LAUNCHER_VAR) || vars.has("TORCHELASTIC_RUN_ID");
         if vars
             .get("TORCHELASTIC_USE_AGENT_STORE")
             .is_some_and(|v| v.eq_ignore_ascii_case("true"))
@@ -144,14 +139,75 @@ impl Topology {
                     .into(),
             ));
         }
+        let Some(place) = Place::read(vars)? else {
+            return Ok(None);
+        };
+        place.check()?;
+        let master_addr = master_addr(vars, place.source)?;
+        let master_port = master_port(vars, place.source)?;
+        let restart_count = vars.optional_number(RESTART_COUNT_VAR)?.unwrap_or(0) as u64;
+        Ok(Some(Topology {
+            rank: place.rank,
+            world_size: place.world_size,
+            local_rank: place.local_rank,
+            local_world_size: place.local_world_size,
+            master_addr,
+            master_port,
+            agent_store: vars.get(AGENT_STORE_VAR).is_some_and(|v| v == "1"),
+            restart_count,
+            source: place.source,
+        }))
+    }
+}
 
-        let (rank, world_size, local_rank, local_world_size, source) = if torchrun {
+impl TopologySource {
+    /// The variables that give the rank, the world size, the local rank and the local world
+    /// size (for messages).
+    fn variables(self) -> [&'static str; 4] {
+        match self {
+            TopologySource::Torchrun => ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+            TopologySource::Slurm => [
+                "SLURM_PROCID",
+                "SLURM_NTASKS",
+                "SLURM_LOCALID",
+                "SLURM_TASKS_PER_NODE",
+            ],
+            TopologySource::OpenMpi => [
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ],
+        }
+    }
+}
+
+/// A process's place in its job as one launcher's variables give it, before the store's
+/// address.
+struct Place {
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+    source: TopologySource,
+}
+
+impl Place {
+    /// Torchrun-style variables first (also set by the burn-ddp launcher; checked against
+    /// Slurm's and Open MPI's when both are set by hand), then Slurm's, then Open MPI's; `None`
+    /// when none is set.
+    fn read(vars: &Vars<'_>) -> Result<Option<Place>> {
+        let slurm =
+            vars.has("SLURM_PROCID") && vars.has("SLURM_NTASKS") && vars.has("SLURM_STEP_ID");
+        let mpi = vars.has("OMPI_COMM_WORLD_RANK");
+        if vars.has("RANK") || vars.has("WORLD_SIZE") {
             let rank = vars.number("RANK")?;
             let world_size = vars.number("WORLD_SIZE")?;
             let local_world_size = vars
                 .optional_number("LOCAL_WORLD_SIZE")?
                 .unwrap_or(world_size);
             let local_rank = vars.optional_number("LOCAL_RANK")?.unwrap_or(rank);
+            let launched = vars.has(LAUNCHER_VAR) || vars.has("TORCHELASTIC_RUN_ID");
             if !launched {
                 if slurm {
                     vars.agree("RANK", rank, "SLURM_PROCID")?;
@@ -162,13 +218,13 @@ impl Topology {
                     vars.agree("WORLD_SIZE", world_size, "OMPI_COMM_WORLD_SIZE")?;
                 }
             }
-            (
+            Ok(Some(Place {
                 rank,
                 world_size,
                 local_rank,
                 local_world_size,
-                TopologySource::Torchrun,
-            )
+                source: TopologySource::Torchrun,
+            }))
         } else if slurm {
             let world_size = vars.number("SLURM_NTASKS")?;
             let local_world_size = match vars.get("SLURM_TASKS_PER_NODE") {
@@ -177,43 +233,36 @@ impl Topology {
                 Some(v) => parse_leading_number("SLURM_TASKS_PER_NODE", &v)?,
                 None => world_size,
             };
-            (
-                vars.number("SLURM_PROCID")?,
+            Ok(Some(Place {
+                rank: vars.number("SLURM_PROCID")?,
                 world_size,
-                vars.optional_number("SLURM_LOCALID")?.unwrap_or(0),
+                local_rank: vars.optional_number("SLURM_LOCALID")?.unwrap_or(0),
                 local_world_size,
-                TopologySource::Slurm,
-            )
+                source: TopologySource::Slurm,
+            }))
         } else if mpi {
             let world_size = vars.number("OMPI_COMM_WORLD_SIZE")?;
-            (
-                vars.number("OMPI_COMM_WORLD_RANK")?,
+            Ok(Some(Place {
+                rank: vars.number("OMPI_COMM_WORLD_RANK")?,
                 world_size,
-                vars.optional_number("OMPI_COMM_WORLD_LOCAL_RANK")?
+                local_rank: vars
+                    .optional_number("OMPI_COMM_WORLD_LOCAL_RANK")?
                     .unwrap_or(0),
-                vars.optional_number("OMPI_COMM_WORLD_LOCAL_SIZE")?
+                local_world_size: vars
+                    .optional_number("OMPI_COMM_WORLD_LOCAL_SIZE")?
                     .unwrap_or(world_size),
-                TopologySource::OpenMpi,
-            )
+                source: TopologySource::OpenMpi,
+            }))
         } else {
-            return Ok(None);
-        };
+            Ok(None)
+        }
+    }
 
-        let (rank_var, world_var, local_var, local_world_var) = match source {
-            TopologySource::Torchrun => ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-            TopologySource::Slurm => (
-                "SLURM_PROCID",
-                "SLURM_NTASKS",
-                "SLURM_LOCALID",
-                "SLURM_TASKS_PER_NODE",
-            ),
-            TopologySource::OpenMpi => (
-                "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE",
-            ),
-        };
+    /// Every number in its range, naming the variable that is not.
+    fn check(&self) -> Result<()> {
+        let [rank_var, world_var, local_var, local_world_var] = self.source.variables();
+        let (rank, world_size) = (self.rank, self.world_size);
+        let (local_rank, local_world_size) = (self.local_rank, self.local_world_size);
         if world_size == 0 {
             return Err(topology_error(format!(
                 "{world_var}=0: a job needs at least one process"
@@ -240,65 +289,57 @@ impl Topology {
                 "{local_var}={local_rank} is not below {local_world_var}={local_world_size}"
             )));
         }
-
-        // Under an MPI launcher with the `mpi` feature the job meets through MPI (MpiGroup).
-        let mpi_launcher = cfg!(feature = "mpi")
-            && source != TopologySource::Torchrun
-            && (vars.has("OMPI_COMM_WORLD_SIZE") || vars.has("PMIX_RANK") || vars.has("PMI_RANK"));
-        let master_addr = match (vars.get("MASTER_ADDR"), source) {
-            (Some(addr), _) if !addr.is_empty() => addr,
-            _ if mpi_launcher => String::new(),
-            (_, TopologySource::Slurm) => {
-                return Err(topology_error(
-                    "MASTER_ADDR is not set: under Slurm set it to the job's first node, e.g. \
-                     export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)"
-                        .into(),
-                ));
-            }
-            (_, TopologySource::OpenMpi) => {
-                return Err(topology_error(
-                    "MASTER_ADDR is not set: pass it to every rank with `mpirun -x \
-                     MASTER_ADDR=<first host>` (127.0.0.1 on one machine), or build with \
-                     burn-ddp's `mpi` feature (`features = [\"mpi\"]`) to use MPI itself, \
-                     without MASTER_ADDR"
-                        .into(),
-                ));
-            }
-            _ => {
-                return Err(topology_error(
-                    "MASTER_ADDR is not set: set it to the host name or IP address of rank 0 \
-                     (127.0.0.1 on one machine)"
-                        .into(),
-                ));
-            }
-        };
-        let master_port = match vars.get("MASTER_PORT") {
-            Some(v) => v.trim().parse::<u16>().map_err(|_| {
-                topology_error(format!("MASTER_PORT={v:?} is not a port number (1-65535)"))
-            })?,
-            None if source == TopologySource::Torchrun => {
-                return Err(topology_error(
-                    "MASTER_PORT is not set: set it to a free TCP port on rank 0's host".into(),
-                ));
-            }
-            None => DEFAULT_MASTER_PORT,
-        };
-        if master_port == 0 {
-            return Err(topology_error("MASTER_PORT=0 is not a usable port".into()));
-        }
-        let restart_count = vars.optional_number(RESTART_COUNT_VAR)?.unwrap_or(0) as u64;
-        Ok(Some(Topology {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            master_addr,
-            master_port,
-            agent_store: vars.get(AGENT_STORE_VAR).is_some_and(|v| v == "1"),
-            restart_count,
-            source,
-        }))
+        Ok(())
     }
+}
+
+/// `MASTER_ADDR`, the store's host; empty under an MPI launcher with the `mpi` feature (the job
+/// meets through MPI, `MpiGroup`). Unset otherwise: an error saying how to set it for `source`.
+fn master_addr(vars: &Vars<'_>, source: TopologySource) -> Result<String> {
+    let mpi_launcher = cfg!(feature = "mpi")
+        && source != TopologySource::Torchrun
+        && (vars.has("OMPI_COMM_WORLD_SIZE") || vars.has("PMIX_RANK") || vars.has("PMI_RANK"));
+    match (vars.get("MASTER_ADDR"), source) {
+        (Some(addr), _) if !addr.is_empty() => Ok(addr),
+        _ if mpi_launcher => Ok(String::new()),
+        (_, TopologySource::Slurm) => Err(topology_error(
+            "MASTER_ADDR is not set: under Slurm set it to the job's first node, e.g. \
+             export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)"
+                .into(),
+        )),
+        (_, TopologySource::OpenMpi) => Err(topology_error(
+            "MASTER_ADDR is not set: pass it to every rank with `mpirun -x \
+             MASTER_ADDR=<first host>` (127.0.0.1 on one machine), or build with \
+             burn-ddp's `mpi` feature (`features = [\"mpi\"]`) to use MPI itself, \
+             without MASTER_ADDR"
+                .into(),
+        )),
+        _ => Err(topology_error(
+            "MASTER_ADDR is not set: set it to the host name or IP address of rank 0 \
+             (127.0.0.1 on one machine)"
+                .into(),
+        )),
+    }
+}
+
+/// `MASTER_PORT`, the store's port: required with torchrun-style variables,
+/// [`DEFAULT_MASTER_PORT`] under Slurm and Open MPI.
+fn master_port(vars: &Vars<'_>, source: TopologySource) -> Result<u16> {
+    let port = match vars.get("MASTER_PORT") {
+        Some(v) => v.trim().parse::<u16>().map_err(|_| {
+            topology_error(format!("MASTER_PORT={v:?} is not a port number (1-65535)"))
+        })?,
+        None if source == TopologySource::Torchrun => {
+            return Err(topology_error(
+                "MASTER_PORT is not set: set it to a free TCP port on rank 0's host".into(),
+            ));
+        }
+        None => DEFAULT_MASTER_PORT,
+    };
+    if port == 0 {
+        return Err(topology_error("MASTER_PORT=0 is not a usable port".into()));
+    }
+    Ok(port)
 }
 
 fn topology_error(detail: String) -> CommError {

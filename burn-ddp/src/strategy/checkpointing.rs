@@ -9,8 +9,8 @@ use burn::train::{LearnerOptimizerRecord, LearningComponentsTypes, TrainingBacke
 
 use super::epoch::{Counters, Trainer};
 use super::rank::Role;
-use super::resume::wait_for_epoch_checkpoint;
 use super::sharded::Sharded;
+use super::step_checkpoints::wait_for_epoch_checkpoint;
 use crate::checkpoint::{DdpState, StepState};
 use crate::error::{DdpError, Result};
 

@@ -27,6 +27,7 @@ mod resume;
 mod run;
 mod sharded;
 mod startup;
+mod step_checkpoints;
 mod validation;
 mod wire;
 mod worker;

@@ -16,7 +16,7 @@ use burn::train::{
 };
 
 use super::metrics_file::MetricsFile;
-use super::resume::StepCheckpoints;
+use super::step_checkpoints::StepCheckpoints;
 use burn_ddp_comm::group::ProcessGroup;
 
 /// The backend of validation (the training backend without autodiff).

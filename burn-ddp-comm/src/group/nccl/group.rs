@@ -149,6 +149,67 @@ impl std::fmt::Debug for NcclGroup {
     }
 }
 
+/// Rank 0's NCCL id to every rank by the host group's broadcast (MPI_Bcast under `MpiGroup`, as
+/// Horovod does): 128 bytes as 32 `f32` bit patterns, copied and never computed on
+/// (bit-preserving on x86-64 and AArch64).
+fn exchange_id(host: &dyn ProcessGroup, api: &NcclApi, timeout: Duration) -> Result<NcclUniqueId> {
+    let rank = host.rank();
+    let mut bits = [0f32; 32];
+    if rank == 0 {
+        for (i, word) in api.unique_id(rank)?.to_words().iter().enumerate() {
+            bits[2 * i] = f32::from_bits(*word as u32);
+            bits[2 * i + 1] = f32::from_bits((*word >> 32) as u32);
+        }
+    }
+    host.broadcast(&mut bits, 0, timeout)?;
+    let words: Vec<u64> = bits
+        .chunks_exact(2)
+        .map(|pair| u64::from(pair[0].to_bits()) | u64::from(pair[1].to_bits()) << 32)
+        .collect();
+    NcclUniqueId::from_words(&words).ok_or_else(|| {
+        CommError::InvalidConfig("the NCCL id exchange returned too few words".into())
+    })
+}
+
+/// Several GPUs in one process (threads): NCCL's intra-process path writes straight into the
+/// peers' buffers, which CubeCL allocates from stream-ordered memory pools; peer access to a
+/// pool must be granted with `cuMemPoolSetAccess` (NCCL 2.23 and later do without it). The
+/// ranks tell each other their devices by one all-gather.
+fn share_memory_pools(
+    host: &dyn ProcessGroup,
+    api: &NcclApi,
+    device: cusys::CUdevice,
+    device_index: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let rank = host.rank();
+    let ordinals = host.all_gather(&[device_index as u64], timeout)?;
+    // SAFETY: `device` is a valid device and its context is current.
+    let Err(why) = (unsafe { grant_pool_access(device, &ordinals, device_index) }) else {
+        return Ok(());
+    };
+    if api.version < 2 * 10_000 + 23 * 100 {
+        return Err(CommError::Nccl {
+            rank,
+            op: "cuMemPoolSetAccess".into(),
+            seq: 0,
+            code: "peer access".into(),
+            detail: format!(
+                "cannot give the other GPUs of this process access to cuda:{device_index}'s \
+                 memory pool ({why}), which NCCL {} needs for several GPUs in one process; use \
+                 NCCL 2.23 or later, or one process per GPU (burn-ddp run)",
+                api::version_string(api.version)
+            ),
+        });
+    }
+    tracing::debug!(
+        "burn-ddp: rank {rank}: no peer access to cuda:{device_index}'s memory pool ({why}); \
+         NCCL {} does not need it",
+        api::version_string(api.version)
+    );
+    Ok(())
+}
+
 impl NcclGroup {
     /// Builds rank `host.rank()`'s communicator on GPU `device_index` (a CUDA ordinal, counted
     /// after `CUDA_VISIBLE_DEVICES`), with the same rank and world size as `host`. Every rank
@@ -189,26 +250,7 @@ impl NcclGroup {
         let api = nccl_api()?;
         let id = match id {
             NcclIdSource::Given(id) => id,
-            NcclIdSource::HostGroup => {
-                // Rank 0's id to every rank by the host group's broadcast (MPI_Bcast under
-                // MpiGroup, as Horovod does): 128 bytes as 32 f32 bit patterns, copied and never
-                // computed on (bit-preserving on x86-64 and AArch64).
-                let mut bits = [0f32; 32];
-                if rank == 0 {
-                    for (i, word) in api.unique_id(rank)?.to_words().iter().enumerate() {
-                        bits[2 * i] = f32::from_bits(*word as u32);
-                        bits[2 * i + 1] = f32::from_bits((*word >> 32) as u32);
-                    }
-                }
-                host.broadcast(&mut bits, 0, timeout)?;
-                let words: Vec<u64> = bits
-                    .chunks_exact(2)
-                    .map(|pair| u64::from(pair[0].to_bits()) | u64::from(pair[1].to_bits()) << 32)
-                    .collect();
-                NcclUniqueId::from_words(&words).ok_or_else(|| {
-                    CommError::InvalidConfig("the NCCL id exchange returned too few words".into())
-                })?
-            }
+            NcclIdSource::HostGroup => exchange_id(host.as_ref(), &api, timeout)?,
         };
         let setup = |op: &'static str| move |e: cu::DriverError| driver_error(rank, op, 0, e);
         cu::init().map_err(setup("cuInit"))?;
@@ -222,35 +264,8 @@ impl NcclGroup {
             .map_err(setup("cuDevicePrimaryCtxRetain"))?;
         // SAFETY: `ctx` was just retained.
         unsafe { cu::ctx::set_current(ctx) }.map_err(setup("cuCtxSetCurrent"))?;
-        // Several GPUs in one process (threads): NCCL's intra-process path writes straight into
-        // the peers' buffers, which CubeCL allocates from stream-ordered memory pools; peer
-        // access to a pool must be granted with cuMemPoolSetAccess (NCCL 2.23 and later do
-        // without it).
         if host.backend() == "threads" && world_size > 1 {
-            let ordinals = host.all_gather(&[device_index as u64], timeout)?;
-            // SAFETY: `device` is a valid device and its context is current.
-            if let Err(why) = unsafe { grant_pool_access(device, &ordinals, device_index) } {
-                if api.version < 2 * 10_000 + 23 * 100 {
-                    return Err(CommError::Nccl {
-                        rank,
-                        op: "cuMemPoolSetAccess".into(),
-                        seq: 0,
-                        code: "peer access".into(),
-                        detail: format!(
-                            "cannot give the other GPUs of this process access to cuda:\
-                             {device_index}'s memory pool ({why}), which NCCL {} needs for \
-                             several GPUs in one process; use NCCL 2.23 or later, or one \
-                             process per GPU (burn-ddp run)",
-                            api::version_string(api.version)
-                        ),
-                    });
-                }
-                tracing::debug!(
-                    "burn-ddp: rank {rank}: no peer access to cuda:{device_index}'s memory pool \
-                     ({why}); NCCL {} does not need it",
-                    api::version_string(api.version)
-                );
-            }
+            share_memory_pools(host.as_ref(), &api, device, device_index, timeout)?;
         }
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(setup("cuStreamCreate"))?;

@@ -8,17 +8,13 @@ use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
+use super::TcpGroup;
+use super::accept::Acceptor;
 use super::wire::Peer;
-use super::{ABORT_POLL_INTERVAL, TcpGroup};
 use crate::auth::{self, JobIdentity, Role, Service};
 use crate::error::{CommError, Result};
-use crate::rendezvous::rendezvous;
+use crate::rendezvous::{Rendezvous, rendezvous};
 use crate::topology::Topology;
-
-/// Connections at most in their handshake at once (more are closed at once).
-const MAX_HANDSHAKES: usize = 32;
-/// Connections in their handshake at once from one address (a peer told "busy" tries again).
-const MAX_HANDSHAKES_PER_SOURCE: usize = 8;
 
 /// Options of [`TcpGroup::connect`].
 #[derive(Debug, Clone)]
@@ -41,7 +37,7 @@ impl Default for TcpGroupOptions {
 }
 
 /// How long a connection between two ranks has for its handshake.
-const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+pub(super) const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 
 /// A rank's handshake context: rank, world size, restart round.
 fn context(rank: usize, world_size: usize, round: u64) -> Vec<u8> {
@@ -59,7 +55,7 @@ pub(crate) fn tests_context(rank: usize, world_size: usize, round: u64) -> Vec<u
 }
 
 /// The rank, world size and round of a handshake context.
-fn parse_context(c: &[u8]) -> Option<(usize, usize, u64)> {
+pub(super) fn parse_context(c: &[u8]) -> Option<(usize, usize, u64)> {
     let word = |i: usize| Some(u32::from_le_bytes(c.get(i..i + 4)?.try_into().ok()?) as usize);
     Some((
         word(0)?,
@@ -124,14 +120,14 @@ impl TcpGroup {
     }
 
     /// Meets the other processes of `topology` through the rendezvous store and connects to
-    /// each of them.
+    /// each of them: this rank dials every lower rank and accepts every higher one, each
+    /// connection introduced by the job's handshake.
     ///
     /// # Errors
     /// The rendezvous' errors ([`CommError::Rendezvous`], [`CommError::Store`]);
     /// [`CommError::Connect`] when a peer cannot be reached or answers with a wrong handshake.
     pub fn connect(topology: &Topology, options: &TcpGroupOptions) -> Result<TcpGroup> {
-        let rank = topology.rank;
-        let world_size = topology.world_size;
+        let (rank, world_size) = (topology.rank, topology.world_size);
         if topology.master_addr.is_empty() {
             return Err(CommError::Topology(
                 "MASTER_ADDR is not set: a TcpGroup meets through a store at MASTER_ADDR \
@@ -140,282 +136,25 @@ impl TcpGroup {
             ));
         }
         let started = Instant::now();
-        let deadline = started.checked_add(options.connect_timeout);
-        // Listen on the address this host uses to reach the store (a peer that reaches the store
-        // reaches it too, in the same address family), or on the interface
-        // `BURN_DDP_SOCKET_IFNAME` names.
-        let interface = match std::env::var(SOCKET_IFNAME_VAR) {
-            Ok(name) if !name.is_empty() => {
-                Some(interface_ip(&name).map_err(|detail| CommError::Connect {
-                    rank,
-                    peer: rank,
-                    addr: format!("{SOCKET_IFNAME_VAR}={name}"),
-                    detail,
-                })?)
-            }
-            _ => None,
-        };
         let job = match &options.job {
             Some(job) => job.clone(),
             None => JobIdentity::from_env(&default_run_id(topology))?,
         };
         warn_if_open(&job, topology, options.job.is_none());
-        let mut listening = None;
-        let rendezvous = rendezvous(topology, options.connect_timeout, &job, |store_ip| {
-            let ip = interface.unwrap_or(store_ip);
-            let listener =
-                TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| CommError::Connect {
-                    rank,
-                    peer: rank,
-                    addr: format!("{ip}:0"),
-                    detail: format!("cannot listen: {e}"),
-                })?;
-            let addr = listener
-                .local_addr()
-                .map_err(|e| CommError::Connect {
-                    rank,
-                    peer: rank,
-                    addr: format!("{ip}:0"),
-                    detail: e.to_string(),
-                })?
-                .to_string();
-            listening = Some((listener, addr.clone()));
-            Ok(addr)
-        })?;
-        let Some((listener, listen_addr)) = listening else {
-            return Err(CommError::Rendezvous {
-                rank,
-                detail: "the rendezvous finished without a listening address".into(),
-            });
+        let (rendezvous, listener, listen_addr) = meet(topology, options, &job)?;
+        let setup = Setup {
+            topology,
+            job: &job,
+            mine: context(rank, world_size, topology.restart_count),
+            deadline: started.checked_add(options.connect_timeout),
+            connect_timeout: options.connect_timeout,
+            rendezvous: &rendezvous,
         };
-
         let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
-        let mine = context(rank, world_size, topology.restart_count);
-        // Connect to every lower rank.
         for (peer, addr) in rendezvous.peer_addrs.iter().enumerate().take(rank) {
-            let connect_error = |detail: String| CommError::Connect {
-                rank,
-                peer,
-                addr: addr.clone(),
-                detail,
-            };
-            let target = addr
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| connect_error("address does not resolve".into()))?;
-            // The peer published this address after it started listening there: a refusal or
-            // an unreachable network does not get better by waiting, and a working network
-            // connects in milliseconds. Fail within seconds, naming the fix, and tell the peers
-            // through the store so they do not wait for this connection until their timeout.
-            let first_try = Instant::now();
-            let (stream, theirs) = loop {
-                let mut stream = loop {
-                    match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
-                        Ok(stream) => break stream,
-                        Err(e) => {
-                            let unusable = matches!(
-                                e.kind(),
-                                io::ErrorKind::ConnectionRefused
-                                    | io::ErrorKind::HostUnreachable
-                                    | io::ErrorKind::NetworkUnreachable
-                                    | io::ErrorKind::AddrNotAvailable
-                            );
-                            let waited = first_try.elapsed();
-                            let give_up = if unusable {
-                                UNUSABLE_ADDRESS_GRACE
-                            } else {
-                                UNREACHABLE_ADDRESS_WINDOW
-                            };
-                            if waited >= give_up || deadline.is_some_and(|d| Instant::now() >= d) {
-                                let err = connect_error(unusable_address(
-                                    peer,
-                                    addr,
-                                    &e,
-                                    waited,
-                                    topology,
-                                    &rendezvous.store.local_ip(),
-                                ));
-                                let _ = rendezvous
-                                    .store
-                                    .set(&Self::abort_key(&rendezvous), err.to_string().as_bytes());
-                                return Err(err);
-                            }
-                            std::thread::sleep(Duration::from_millis(100));
-                        }
-                    }
-                };
-                // The job's handshake: the lower rank challenges, both prove the job's key, and
-                // the acceptor checks this rank's place in the job.
-                match auth::connect(
-                    &mut stream,
-                    &job,
-                    Service::Group,
-                    Role::Worker,
-                    &mine,
-                    HANDSHAKE_DEADLINE,
-                ) {
-                    Ok(theirs) => break (stream, theirs),
-                    // The peer has many connections in their handshake (strangers?): again.
-                    Err(auth::Refusal::Busy) if deadline.is_none_or(|d| Instant::now() < d) => {
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                    Err(why) => return Err(connect_error(format!("handshake: {why}"))),
-                }
-            };
-            if parse_context(&theirs) != Some((peer, world_size, topology.restart_count)) {
-                return Err(connect_error(format!(
-                    "the process there is not rank {peer} of this job's world of {world_size} in \
-                     round {} (it says {:?})",
-                    topology.restart_count,
-                    parse_context(&theirs)
-                )));
-            }
-            peers[peer] = Some(Peer::new(addr.clone(), stream).map_err(connect_error)?);
+            peers[peer] = Some(setup.dial(peer, addr)?);
         }
-        // Accept every higher rank.
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| CommError::Connect {
-                rank,
-                peer: rank,
-                addr: listen_addr.clone(),
-                detail: e.to_string(),
-            })?;
-        let mut refusals = crate::gate::RateLimited::new(std::time::Duration::from_secs(10));
-        let abort_key = Self::abort_key(&rendezvous);
-        let mut abort_polled = Instant::now();
-        // Handshakes run on threads of their own, a bounded number at once, so a connection
-        // that stays silent (or sends garbage) cannot hold this loop from the real ranks.
-        type Shaken = (SocketAddr, TcpStream, std::result::Result<usize, String>);
-        let (shaken_tx, shaken_rx) = std::sync::mpsc::channel::<Shaken>();
-        let gate = crate::gate::Gate::new(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE);
-        while peers.iter().skip(rank + 1).any(Option::is_none) {
-            while let Ok((from, stream, verdict)) = shaken_rx.try_recv() {
-                match verdict.and_then(|peer| {
-                    if peers[peer].is_some() {
-                        Err(format!(
-                            "{from} claims rank {peer}, which is connected already"
-                        ))
-                    } else {
-                        Ok(peer)
-                    }
-                }) {
-                    Ok(peer) => {
-                        let addr = from.to_string();
-                        peers[peer] = Some(Peer::new(addr.clone(), stream).map_err(|detail| {
-                            CommError::Connect {
-                                rank,
-                                peer,
-                                addr,
-                                detail,
-                            }
-                        })?);
-                    }
-                    Err(why) => {
-                        if let Some(left_out) = refusals.allow() {
-                            tracing::warn!(
-                                "burn-ddp: rank {rank}: refused a connection: {} ({left_out} \
-                                 more refused since the last such line)",
-                                crate::gate::printable(&why)
-                            );
-                        }
-                    }
-                }
-            }
-            if peers.iter().skip(rank + 1).all(Option::is_some) {
-                break;
-            }
-            match listener.accept() {
-                Ok((mut stream, from)) => {
-                    let Ok(pass) = gate.enter(from.ip()) else {
-                        auth::refuse_busy(&mut stream);
-                        continue;
-                    };
-                    let (job, mine, tx) = (job.clone(), mine.clone(), shaken_tx.clone());
-                    let restart = topology.restart_count;
-                    let spawned =
-                        std::thread::Builder::new()
-                            .name("burn-ddp-handshake".into())
-                            .spawn(move || {
-                                let _ = stream.set_nonblocking(false);
-                                let verdict = auth::accept(
-                                    &mut stream,
-                                    &job,
-                                    Service::Group,
-                                    &mine,
-                                    HANDSHAKE_DEADLINE,
-                                )
-                                .map_err(|why| format!("{from}: {why}"))
-                                .and_then(|accepted| match parse_context(&accepted.context) {
-                                    Some((peer, world, round))
-                                        if world == world_size
-                                            && round == restart
-                                            && peer > rank
-                                            && peer < world_size =>
-                                    {
-                                        Ok(peer)
-                                    }
-                                    other => Err(format!(
-                                        "{from} says (rank, world size, round) {other:?}; rank \
-                                         {rank} has world size {world_size} round {restart}"
-                                    )),
-                                });
-                                drop(pass);
-                                let _ = tx.send((from, stream, verdict));
-                            });
-                    // A handshake thread that cannot start gives its slot back as it drops.
-                    drop(spawned);
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    // A higher rank that cannot reach this one says so in the store.
-                    if abort_polled.elapsed() >= ABORT_POLL_INTERVAL {
-                        abort_polled = Instant::now();
-                        if let Ok(present) = rendezvous.store.check(&[&abort_key])
-                            && present.first() == Some(&true)
-                        {
-                            let reason = rendezvous
-                                .store
-                                .get(&abort_key, Duration::from_secs(1))
-                                .map(|r| String::from_utf8_lossy(&r).into_owned())
-                                .unwrap_or_default();
-                            let missing: Vec<usize> = (rank + 1..world_size)
-                                .filter(|&p| peers[p].is_none())
-                                .collect();
-                            return Err(CommError::Connect {
-                                rank,
-                                peer: missing.first().copied().unwrap_or(rank),
-                                addr: listen_addr,
-                                detail: format!("rank(s) {missing:?} will not connect: {reason}"),
-                            });
-                        }
-                    }
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        let missing: Vec<usize> = (rank + 1..world_size)
-                            .filter(|&p| peers[p].is_none())
-                            .collect();
-                        return Err(CommError::Connect {
-                            rank,
-                            peer: missing[0],
-                            addr: listen_addr,
-                            detail: format!(
-                                "rank(s) {missing:?} did not connect within {} s",
-                                options.connect_timeout.as_secs_f64()
-                            ),
-                        });
-                    }
-                    crate::net::wait_for_connection(&listener, Duration::from_millis(10));
-                }
-                Err(e) => {
-                    return Err(CommError::Connect {
-                        rank,
-                        peer: rank,
-                        addr: listen_addr,
-                        detail: format!("accept: {e}"),
-                    });
-                }
-            }
-        }
+        Acceptor::new(&setup, listener, listen_addr)?.accept_higher(&mut peers)?;
         tracing::info!(
             "burn-ddp: rank {rank} of {world_size} connected over TCP in {:.2} s",
             started.elapsed().as_secs_f64()
@@ -430,6 +169,174 @@ impl TcpGroup {
             abort_polled: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),
         })
+    }
+}
+
+/// The rendezvous of `topology`'s job, and the listener this rank published there: on the
+/// address this host uses to reach the store (a peer that reaches the store reaches it too, in
+/// the same address family), or on the interface `BURN_DDP_SOCKET_IFNAME` names.
+fn meet(
+    topology: &Topology,
+    options: &TcpGroupOptions,
+    job: &JobIdentity,
+) -> Result<(Rendezvous, TcpListener, String)> {
+    let rank = topology.rank;
+    let interface = match std::env::var(SOCKET_IFNAME_VAR) {
+        Ok(name) if !name.is_empty() => {
+            Some(interface_ip(&name).map_err(|detail| CommError::Connect {
+                rank,
+                peer: rank,
+                addr: format!("{SOCKET_IFNAME_VAR}={name}"),
+                detail,
+            })?)
+        }
+        _ => None,
+    };
+    let mut listening = None;
+    let rendezvous = rendezvous(topology, options.connect_timeout, job, |store_ip| {
+        let ip = interface.unwrap_or(store_ip);
+        let cannot = |detail: String| CommError::Connect {
+            rank,
+            peer: rank,
+            addr: format!("{ip}:0"),
+            detail,
+        };
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| cannot(format!("cannot listen: {e}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| cannot(e.to_string()))?
+            .to_string();
+        listening = Some((listener, addr.clone()));
+        Ok(addr)
+    })?;
+    let Some((listener, listen_addr)) = listening else {
+        return Err(CommError::Rendezvous {
+            rank,
+            detail: "the rendezvous finished without a listening address".into(),
+        });
+    };
+    Ok((rendezvous, listener, listen_addr))
+}
+
+/// What dialing and accepting the peers share: the job, this rank's handshake context, the
+/// set-up's deadline and the rendezvous (whose store carries a failed dial to the peers).
+pub(super) struct Setup<'a> {
+    pub(super) topology: &'a Topology,
+    pub(super) job: &'a JobIdentity,
+    /// This rank's handshake context ([`context`]).
+    pub(super) mine: Vec<u8>,
+    pub(super) deadline: Option<Instant>,
+    pub(super) connect_timeout: Duration,
+    pub(super) rendezvous: &'a Rendezvous,
+}
+
+impl Setup<'_> {
+    fn expired(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// The store key through which a rank that cannot dial a peer tells the others.
+    pub(super) fn abort_key(&self) -> String {
+        TcpGroup::abort_key(self.rendezvous)
+    }
+
+    /// Connects to the lower rank `peer` at its published `addr` and runs the job's handshake
+    /// (this rank challenges, both prove the job's key, the acceptor checks this rank's place),
+    /// then checks the peer's place.
+    fn dial(&self, peer: usize, addr: &str) -> Result<Peer> {
+        let (rank, world_size) = (self.topology.rank, self.topology.world_size);
+        let connect_error = |detail: String| CommError::Connect {
+            rank,
+            peer,
+            addr: addr.to_string(),
+            detail,
+        };
+        let target = addr
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| connect_error("address does not resolve".into()))?;
+        let first_try = Instant::now();
+        let (stream, theirs) = loop {
+            let mut stream = self.reach(peer, addr, target, first_try)?;
+            match auth::connect(
+                &mut stream,
+                self.job,
+                Service::Group,
+                Role::Worker,
+                &self.mine,
+                HANDSHAKE_DEADLINE,
+            ) {
+                Ok(theirs) => break (stream, theirs),
+                // The peer has many connections in their handshake (strangers?): again.
+                Err(auth::Refusal::Busy) if !self.expired() => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(why) => return Err(connect_error(format!("handshake: {why}"))),
+            }
+        };
+        let round = self.topology.restart_count;
+        if parse_context(&theirs) != Some((peer, world_size, round)) {
+            return Err(connect_error(format!(
+                "the process there is not rank {peer} of this job's world of {world_size} in \
+                 round {round} (it says {:?})",
+                parse_context(&theirs)
+            )));
+        }
+        Peer::new(addr.to_string(), stream).map_err(connect_error)
+    }
+
+    /// A TCP connection to `target`, `peer`'s published `addr`. The peer published it after it
+    /// started listening there: a refusal or an unreachable network does not get better by
+    /// waiting, and a working network connects in milliseconds. So this fails within seconds,
+    /// naming the fix, and tells the peers through the store so they do not wait for this
+    /// connection until their timeout.
+    fn reach(
+        &self,
+        peer: usize,
+        addr: &str,
+        target: SocketAddr,
+        first_try: Instant,
+    ) -> Result<TcpStream> {
+        loop {
+            let e = match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
+                Ok(stream) => return Ok(stream),
+                Err(e) => e,
+            };
+            let unusable = matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionRefused
+                    | io::ErrorKind::HostUnreachable
+                    | io::ErrorKind::NetworkUnreachable
+                    | io::ErrorKind::AddrNotAvailable
+            );
+            let waited = first_try.elapsed();
+            let give_up = if unusable {
+                UNUSABLE_ADDRESS_GRACE
+            } else {
+                UNREACHABLE_ADDRESS_WINDOW
+            };
+            if waited >= give_up || self.expired() {
+                let store = &self.rendezvous.store;
+                let err = CommError::Connect {
+                    rank: self.topology.rank,
+                    peer,
+                    addr: addr.to_string(),
+                    detail: unusable_address(
+                        peer,
+                        addr,
+                        &e,
+                        waited,
+                        self.topology,
+                        &store.local_ip(),
+                    ),
+                };
+                let _ = store.set(&self.abort_key(), err.to_string().as_bytes());
+                return Err(err);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 }
 

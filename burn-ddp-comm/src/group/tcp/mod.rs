@@ -25,6 +25,7 @@
 //! Payloads are sent in the machine's byte order: all ranks must share it (x86-64 and AArch64 are
 //! little-endian).
 
+mod accept;
 mod connect;
 mod wire;
 

@@ -216,6 +216,26 @@ fn wait(_streams: &[(&TcpStream, Interest)], timeout: Duration) {
     std::thread::sleep(timeout.min(Duration::from_micros(200)));
 }
 
+/// The timeout of `call`, naming the peers whose sends or receives are unfinished.
+fn timed_out(call: &Call, sends: &[Outgoing<'_>], receives: &[Incoming<'_>]) -> CommError {
+    let mut missing: Vec<usize> = receives
+        .iter()
+        .filter(|r| !r.finished())
+        .map(|r| r.peer)
+        .chain(sends.iter().filter(|s| !s.finished()).map(|s| s.peer))
+        .collect();
+    missing.sort_unstable();
+    missing.dedup();
+    CommError::Timeout {
+        rank: call.rank,
+        op: call.op,
+        seq: call.seq,
+        timeout: call.timeout,
+        missing,
+        last_seen: Vec::new(),
+    }
+}
+
 /// The peers of a collective, each stream locked once for its duration.
 pub(super) struct Streams<'g> {
     peers: &'g [Option<Peer>],
@@ -253,8 +273,8 @@ impl<'g> Streams<'g> {
 
     /// Progresses `sends` and `receives` together until all are done; whenever payload bytes
     /// arrive for a receive, `arrived(index of the receive, its payload so far)` is called (the
-    /// prefix that arrived, which only grows). Fails at the first broken connection, mismatching frame, abort frame or when
-    /// `call`'s deadline passes.
+    /// prefix that arrived, which only grows). Fails at the first broken connection, mismatching
+    /// frame, abort frame or when `call`'s deadline passes.
     pub fn transfer(
         &mut self,
         call: &Call,
@@ -265,83 +285,12 @@ impl<'g> Streams<'g> {
         loop {
             let mut progressed = false;
             for send in sends.iter_mut().filter(|s| !s.finished()) {
-                let peer = send.peer;
-                loop {
-                    let pending = send.pending();
-                    if pending.is_empty() {
-                        break;
-                    }
-                    match self.stream(peer).write(pending) {
-                        Ok(0) => {
-                            return Err(self.io_error(
-                                call,
-                                peer,
-                                io::ErrorKind::WriteZero.into(),
-                                "sending to",
-                            ));
-                        }
-                        Ok(n) => {
-                            send.done += n;
-                            progressed = true;
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                        Err(e) => {
-                            if let Some(p) = self.peer(peer) {
-                                p.broken.store(true, Ordering::Relaxed);
-                            }
-                            return Err(self.io_error(call, peer, e, "sending to"));
-                        }
-                    }
-                }
+                progressed |= self.write_ready(call, send)?;
             }
             for (index, receive) in receives.iter_mut().enumerate() {
-                if receive.finished() {
-                    continue;
-                }
-                let peer = receive.peer;
-                loop {
-                    let result = if receive.done < HEADER_BYTES {
-                        let at = receive.done;
-                        self.stream(peer).read(&mut receive.header[at..])
-                    } else {
-                        let at = receive.done - HEADER_BYTES;
-                        if at == receive.out.len() {
-                            break;
-                        }
-                        self.stream(peer).read(&mut receive.out[at..])
-                    };
-                    match result {
-                        Ok(0) => {
-                            return Err(self.io_error(
-                                call,
-                                peer,
-                                io::ErrorKind::UnexpectedEof.into(),
-                                "waiting for",
-                            ));
-                        }
-                        Ok(n) => {
-                            let was_header = receive.done < HEADER_BYTES;
-                            receive.done += n;
-                            progressed = true;
-                            if was_header && receive.done == HEADER_BYTES {
-                                self.check_header(call, peer, &receive.header, receive.out.len())?;
-                            }
-                            if receive.done > HEADER_BYTES {
-                                let end = receive.done - HEADER_BYTES;
-                                if end > receive.handed {
-                                    arrived(index, &receive.out[..end]);
-                                    receive.handed = end;
-                                }
-                            }
-                            if receive.finished() {
-                                break;
-                            }
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                        Err(e) => return Err(self.io_error(call, peer, e, "waiting for")),
-                    }
+                if !receive.finished() {
+                    progressed |=
+                        self.read_ready(call, receive, |so_far| arrived(index, so_far))?;
                 }
             }
             if sends.iter().all(Outgoing::finished) && receives.iter().all(Incoming::finished) {
@@ -352,50 +301,129 @@ impl<'g> Streams<'g> {
             }
             let now = Instant::now();
             if call.deadline.is_some_and(|d| now >= d) {
-                let mut missing: Vec<usize> = receives
-                    .iter()
-                    .filter(|r| !r.finished())
-                    .map(|r| r.peer)
-                    .chain(sends.iter().filter(|s| !s.finished()).map(|s| s.peer))
-                    .collect();
-                missing.sort_unstable();
-                missing.dedup();
-                return Err(CommError::Timeout {
-                    rank: call.rank,
-                    op: call.op,
-                    seq: call.seq,
-                    timeout: call.timeout,
-                    missing,
-                    last_seen: Vec::new(),
-                });
+                return Err(timed_out(call, sends, receives));
             }
             let slice = call.deadline.map_or(POLL_SLICE, |d| {
                 d.saturating_duration_since(now).min(POLL_SLICE)
             });
-            let interests: Vec<(usize, Interest)> = sends
-                .iter()
-                .filter(|s| !s.finished())
-                .map(|s| (s.peer, Interest::Write))
-                .chain(
-                    receives
-                        .iter()
-                        .filter(|r| !r.finished())
-                        .map(|r| (r.peer, Interest::Read)),
-                )
-                .collect();
-            let streams: Vec<(&TcpStream, Interest)> = interests
-                .iter()
-                .map(|&(rank, interest)| {
-                    let at = self
-                        .locked
-                        .iter()
-                        .position(|(r, _)| *r == rank)
-                        .unwrap_or_default();
-                    (&*self.locked[at].1, interest)
-                })
-                .collect();
-            wait(&streams, slice);
+            self.wait_for_any(sends, receives, slice);
         }
+    }
+
+    /// Writes as much of `send` as its socket takes now; whether anything was written.
+    fn write_ready(&mut self, call: &Call, send: &mut Outgoing<'_>) -> Result<bool> {
+        let peer = send.peer;
+        let mut progressed = false;
+        loop {
+            let pending = send.pending();
+            if pending.is_empty() {
+                return Ok(progressed);
+            }
+            match self.stream(peer).write(pending) {
+                Ok(0) => {
+                    return Err(self.io_error(
+                        call,
+                        peer,
+                        io::ErrorKind::WriteZero.into(),
+                        "sending to",
+                    ));
+                }
+                Ok(n) => {
+                    send.done += n;
+                    progressed = true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(progressed),
+                Err(e) => {
+                    if let Some(p) = self.peer(peer) {
+                        p.broken.store(true, Ordering::Relaxed);
+                    }
+                    return Err(self.io_error(call, peer, e, "sending to"));
+                }
+            }
+        }
+    }
+
+    /// Reads what `receive`'s socket holds now: the header first (checked against `call` once
+    /// complete), then the payload, handing each longer prefix of it to `arrived`; whether
+    /// anything was read.
+    fn read_ready(
+        &mut self,
+        call: &Call,
+        receive: &mut Incoming<'_>,
+        mut arrived: impl FnMut(&[u8]),
+    ) -> Result<bool> {
+        let peer = receive.peer;
+        let mut progressed = false;
+        loop {
+            let result = if receive.done < HEADER_BYTES {
+                let at = receive.done;
+                self.stream(peer).read(&mut receive.header[at..])
+            } else {
+                let at = receive.done - HEADER_BYTES;
+                if at == receive.out.len() {
+                    return Ok(progressed);
+                }
+                self.stream(peer).read(&mut receive.out[at..])
+            };
+            match result {
+                Ok(0) => {
+                    return Err(self.io_error(
+                        call,
+                        peer,
+                        io::ErrorKind::UnexpectedEof.into(),
+                        "waiting for",
+                    ));
+                }
+                Ok(n) => {
+                    let was_header = receive.done < HEADER_BYTES;
+                    receive.done += n;
+                    progressed = true;
+                    if was_header && receive.done == HEADER_BYTES {
+                        self.check_header(call, peer, &receive.header, receive.out.len())?;
+                    }
+                    if receive.done > HEADER_BYTES {
+                        let end = receive.done - HEADER_BYTES;
+                        if end > receive.handed {
+                            arrived(&receive.out[..end]);
+                            receive.handed = end;
+                        }
+                    }
+                    if receive.finished() {
+                        return Ok(true);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(progressed),
+                Err(e) => return Err(self.io_error(call, peer, e, "waiting for")),
+            }
+        }
+    }
+
+    /// Waits up to `slice` until a socket of an unfinished send can be written or one of an
+    /// unfinished receive read.
+    fn wait_for_any(&self, sends: &[Outgoing<'_>], receives: &[Incoming<'_>], slice: Duration) {
+        let interests = sends
+            .iter()
+            .filter(|s| !s.finished())
+            .map(|s| (s.peer, Interest::Write))
+            .chain(
+                receives
+                    .iter()
+                    .filter(|r| !r.finished())
+                    .map(|r| (r.peer, Interest::Read)),
+            );
+        let streams: Vec<(&TcpStream, Interest)> = interests
+            .map(|(rank, interest)| {
+                let at = self
+                    .locked
+                    .iter()
+                    .position(|(r, _)| *r == rank)
+                    .unwrap_or_default();
+                (&*self.locked[at].1, interest)
+            })
+            .collect();
+        wait(&streams, slice);
     }
 
     /// Checks a frame header from `peer` against `call`; an abort frame becomes the peer's

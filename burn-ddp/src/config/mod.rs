@@ -1,12 +1,15 @@
-//! [`DdpConfig`]: the knobs of data-parallel training, with the defaults PyTorch DDP users expect,
-//! and the types of its settings.
+//! [`DdpConfig`]: the knobs of data-parallel training, with the defaults PyTorch DDP users expect
+//! (here), the types of its settings (`settings.rs`), and its check and one-line description
+//! (`check.rs`).
 
-use std::fmt;
+mod check;
+mod settings;
+
 use std::time::Duration;
 
 pub use crate::compress::GradientCompression;
-use crate::error::{DdpError, Result};
 use burn_ddp_comm::group::DEFAULT_TIMEOUT;
+pub use settings::{BufferSync, NonFinite, UnevenInputs, Validation};
 
 /// Configuration of data-parallel training, shared by [`DdpStrategy`](crate::DdpStrategy) and
 /// [`DistributedDataParallel`](crate::DistributedDataParallel).
@@ -82,68 +85,6 @@ impl PartialEq for DdpConfig {
             && self.shared_memory_reduction == other.shared_memory_reduction
             && self.metrics_file == other.metrics_file
     }
-}
-
-/// What to do when the gradients of a step hold NaN or infinity (on any rank). The check runs on
-/// the all-reduced gradients, so every rank reaches the same verdict.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum NonFinite {
-    /// Skip the optimizer step on every rank and count it in
-    /// [`RankReport::skipped_steps`](crate::metrics::RankReport::skipped_steps), as mixed-precision
-    /// loss scalers do. The default.
-    #[default]
-    SkipStep,
-    /// Stop training with [`DdpError::NonFinite`] naming the step and the ranks whose own
-    /// gradients were not finite (found by an all-gather of per-rank flags).
-    Error,
-    /// No check (saves one pass over the gradients per step).
-    Ignore,
-}
-
-/// How buffers (float tensors without gradients, e.g. BatchNorm running statistics) are kept
-/// identical across replicas after every step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum BufferSync {
-    /// Replace each differing buffer by its average over the replicas. The default; for replicas
-    /// that are threads, Burn's shared `RunningState` already does this.
-    #[default]
-    Average,
-    /// Copy rank 0's buffers to every replica (PyTorch DDP's `broadcast_buffers=True`). Applies to
-    /// replicas in separate processes; threads share Burn's `RunningState`, which averages.
-    Broadcast,
-    /// Leave buffers alone (replicas in separate processes then drift apart).
-    None,
-}
-
-/// Where validation runs at the end of every epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Validation {
-    /// Every rank validates a contiguous run of the validation loader's whole batches and rank 0
-    /// reports each batch as its own item, in the loader's order, so every metric equals
-    /// single-device validation on the whole set. The default. Between processes it needs an
-    /// output type burn-ddp can send ([`DistributedOutput`](crate::outputs::DistributedOutput):
-    /// burn-train's classification, multi-label and regression outputs); for any other,
-    /// validation falls back to `Rank0` with a warning.
-    #[default]
-    Sharded,
-    /// Rank 0 validates the whole set while the other ranks wait, as single-device training
-    /// does: for metrics that cannot be computed from joined outputs (a metric that keeps state
-    /// across items in an order-dependent way, or an output type without a codec).
-    Rank0,
-}
-
-/// What to do when ranks do not have the same number of batches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum UnevenInputs {
-    /// Stop with [`DdpError::UnevenData`]: use `DistributedSampler` padding or `drop_last` so
-    /// every rank has as many batches. The default.
-    #[default]
-    Error,
-    /// PyTorch's `Join`: ranks that run out of batches keep taking part in the collectives with
-    /// zero gradients, and every step's average is weighted by the number of real samples on each
-    /// rank, so the result equals single-device training on the same samples. The training set is
-    /// split into shards whose sizes differ by at most one, without padding or dropping.
-    Join,
 }
 
 impl Default for DdpConfig {
@@ -231,7 +172,7 @@ impl DdpConfig {
     /// Checks every `steps` optimizer steps that all replicas hold bit-identical parameters and
     /// buffers (one all-gather of one `u64`, plus hashing the model's values on the host); 0, the
     /// default, never checks. A failed check is a
-    /// [`DdpError::ReplicasDiverged`] naming the first
+    /// [`DdpError::ReplicasDiverged`](crate::DdpError::ReplicasDiverged) naming the first
     /// differing tensor and ranks.
     pub fn with_consistency_check_every(mut self, steps: u64) -> Self {
         self.consistency_check_every = steps;
@@ -288,7 +229,7 @@ impl DdpConfig {
     /// random state is not part of a checkpoint). A step checkpoint of another world size is
     /// refused; an epoch boundary re-shards (see the README). Another run's checkpoints are never
     /// taken: when the directory holds only those, or nothing, the run fails with
-    /// [`DdpError::Checkpoint`] naming the file and both run ids (resume another run's checkpoint
+    /// [`DdpError::Checkpoint`](crate::DdpError::Checkpoint) naming the file and both run ids (resume another run's checkpoint
     /// with [`with_resume_from`](Self::with_resume_from)). A launcher's restart resumes the same
     /// way by itself, but starts afresh with a warning when there is nothing of the run to
     /// resume. Needs no `SupervisedTraining::checkpoint(epoch)`; when that is given too, only
@@ -356,7 +297,7 @@ impl DdpConfig {
     /// Whether SIGTERM, SIGINT and SIGHUP stop training gracefully (default `true`): while a
     /// run lasts, the first such signal to any rank makes every rank stop at the next optimizer
     /// step, rank 0 write a checkpoint of it (with a checkpoint directory), and the run end with
-    /// [`DdpError::Preempted`] (`launch_ddp`), or the process exit with
+    /// [`DdpError::Preempted`](crate::DdpError::Preempted) (`launch_ddp`), or the process exit with
     /// [`PREEMPTED_EXIT_CODE`](crate::checkpoint::PREEMPTED_EXIT_CODE) (plain `launch`); a second signal
     /// ends the process at once. `false` leaves the signals' default effect.
     pub fn with_stop_on_signal(mut self, stop: bool) -> Self {
@@ -657,103 +598,6 @@ impl DdpConfig {
     pub fn with_gradient_compression(mut self, compression: GradientCompression) -> Self {
         self.gradient_compression = compression;
         self
-    }
-
-    /// Checks the values.
-    ///
-    /// # Errors
-    /// [`DdpError::InvalidConfig`] for a zero timeout, a zero bucket cap, a clipping norm that
-    /// is not positive and finite, a spike factor not above 1, or gradient sharding without
-    /// optimizer-state sharding.
-    pub fn validate(&self) -> Result<()> {
-        if self.timeout.is_zero() || self.epoch_end_timeout.is_zero() {
-            return Err(DdpError::InvalidConfig(format!(
-                "timeouts must be positive, got timeout {:?} and epoch_end_timeout {:?}",
-                self.timeout, self.epoch_end_timeout
-            )));
-        }
-        if let Some(max_norm) = self.clip_grad_norm
-            && !(max_norm.is_finite() && max_norm > 0.0)
-        {
-            return Err(DdpError::InvalidConfig(format!(
-                "the gradient clipping norm must be positive and finite, got {max_norm}"
-            )));
-        }
-        if self.bucket_cap_bytes == 0 || self.first_bucket_cap_bytes == 0 {
-            return Err(DdpError::InvalidConfig(format!(
-                "bucket caps must be positive, got bucket_cap_bytes {} and first_bucket_cap_bytes {}",
-                self.bucket_cap_bytes, self.first_bucket_cap_bytes
-            )));
-        }
-        if !(self.spike_factor.is_finite() && self.spike_factor > 1.0) {
-            return Err(DdpError::InvalidConfig(format!(
-                "the spike factor must be finite and above 1, got {}",
-                self.spike_factor
-            )));
-        }
-        if self.gradient_sharding && !self.optimizer_sharding {
-            return Err(DdpError::InvalidConfig(
-                "gradient sharding (with_gradient_sharding) needs optimizer-state sharding \
-                 (with_optimizer_sharding(true)): the gradients go to the ranks that own and \
-                 step their parameters"
-                    .into(),
-            ));
-        }
-        Ok(())
-    }
-}
-
-impl fmt::Display for DdpConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
-        write!(
-            f,
-            "timeout {} s, epoch-end timeout {} s, bucket cap {} MiB (first {} MiB)",
-            self.timeout.as_secs_f64(),
-            self.epoch_end_timeout.as_secs_f64(),
-            mib(self.bucket_cap_bytes),
-            mib(self.first_bucket_cap_bytes)
-        )?;
-        if let Some(max_norm) = self.clip_grad_norm {
-            write!(f, ", clip grad norm {max_norm}")?;
-        }
-        if self.uneven_inputs == UnevenInputs::Join {
-            f.write_str(", join uneven inputs")?;
-        }
-        match self.gradient_compression {
-            GradientCompression::None => {}
-            GradientCompression::Bf16 => f.write_str(", bf16 gradients")?,
-            GradientCompression::F16 => f.write_str(", f16 gradients")?,
-        }
-        if let Some(hook) = &self.comm_hook {
-            write!(f, ", communication hook {}", hook.name())?;
-        }
-        if self.checkpoint_every > 0 {
-            write!(f, ", step checkpoint every {} steps", self.checkpoint_every)?;
-        }
-        if self.resume {
-            f.write_str(", resume")?;
-        }
-        if self.optimizer_sharding {
-            f.write_str(", optimizer state sharded")?;
-        }
-        if self.gradient_sharding {
-            f.write_str(", gradients reduce-scattered")?;
-        }
-        if !self.shared_memory_reduction {
-            f.write_str(", host buckets for thread replicas")?;
-        }
-        if self.validation == Validation::Rank0 {
-            f.write_str(", validation on rank 0")?;
-        }
-        if self.consistency_check_every > 0 {
-            write!(
-                f,
-                ", consistency check every {} steps",
-                self.consistency_check_every
-            )?;
-        }
-        Ok(())
     }
 }
 

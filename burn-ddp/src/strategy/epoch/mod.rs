@@ -12,24 +12,23 @@ use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::Device;
 use burn::train::{
-    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearningComponentsTypes,
-    TrainLoader, TrainStep, TrainingBackend, TrainingModel,
+    Interrupter, Learner, LearningComponentsTypes, TrainLoader, TrainStep, TrainingBackend,
+    TrainingModel,
 };
 
 use super::events::{Events, Meta};
-use super::lock;
 use super::metrics_file::StepTimes;
 use super::policy::{Agreement, OnNonFinite, StepPolicy, StopVote, end_of_data};
 use super::rank::{Comm, ModelOutput, Role, ValidOutput};
 use super::resume::Resume;
 use super::sharded::{RecordReader, Sharded};
 use super::startup::Startup;
-use super::validation::{ValidShard, Validating};
-use crate::config::{BufferSync, DdpConfig};
+use super::validation::ValidShard;
+use crate::config::DdpConfig;
 use crate::ddp::DistributedDataParallel;
 use crate::error::{DdpError, Result};
 use crate::lockstep::Position;
-use crate::metrics::{EpochReport, RankReport, TrainingReport};
+use crate::metrics::{RankReport, TrainingReport};
 use crate::monitor::SyncWatch;
 use crate::reducer::ReduceOutcome;
 use burn_ddp_comm::group::Counts;
@@ -47,6 +46,9 @@ macro_rules! comm {
         }
     };
 }
+
+mod batch;
+mod end;
 
 /// How the replicas' buffers (BatchNorm's running statistics) are kept alike after every step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -382,133 +384,6 @@ where
         Ok(Next::Batch)
     }
 
-    /// The next batch and what the ranks agreed on before it (join mode); `None` when the
-    /// epoch's steps end here (nobody has a batch, or a stop agreed in join mode).
-    fn next_batch(
-        &mut self,
-        state: &mut EpochState<LC>,
-        iterator: &mut dyn DataLoaderIterator<TrainingModelInput<LC>>,
-        run: &Run,
-        report: &mut RankReport,
-    ) -> Result<Option<(Batch<LC>, Input<LC>)>> {
-        let before = iterator.progress().items_processed;
-        let input = iterator.next();
-        let samples = match &input {
-            Some(_) => iterator
-                .progress()
-                .items_processed
-                .saturating_sub(before)
-                .max(1),
-            None => 0,
-        };
-        state.local_samples += samples as u64;
-        // A DistributedDataLoader says what the step holds over all ranks: this rank's share of
-        // it weighs its gradients, and a rank whose shard ended a batch early (the epoch's last
-        // step has fewer samples than ranks) takes part in that step without a sample.
-        let drawn = (self.loaders.train_loader != 0 && !run.policy.join())
-            .then(crate::sampler::drawn_on_this_thread)
-            .flatten();
-        let without_sample =
-            input.is_none() && drawn.is_some_and(|d| (state.step as u64) < d.steps);
-        if without_sample {
-            crate::sampler::Drawn::enter_step_without_sample();
-        }
-        let drawn = drawn.and(crate::sampler::drawn_on_this_thread());
-        // Join mode: every step starts with an agreement on who still has a batch (the weights
-        // of the reduction depend on it). Otherwise every rank has a batch until all run out
-        // together, and the stop votes ride in the gradient all-reduce: one collective per step.
-        // A rank out of data takes part in one more reduction, without gradients and saying so:
-        // every rank issues the same collectives (even NCCL, which cannot tell calls apart,
-        // learns of uneven data), unless the others are inside an accumulation window or
-        // SyncBatchNorm's forward pass, where the reduction meets another collective (Mismatch
-        // on the CPU groups).
-        let agreement = if run.policy.join() {
-            let started = Instant::now();
-            let agreement = self.agree(samples)?;
-            report.coordination += started.elapsed();
-            if agreement.interrupted {
-                state.stop = Some(Stop::Interrupted);
-                return Ok(None);
-            }
-            // A stop signal is taken at an optimizer step's boundary, on every rank alike.
-            if !agreement.signalled.is_empty() && run.policy.at_step_boundary() {
-                state.stop = Some(Stop::Signal(agreement.signalled));
-                return Ok(None);
-            }
-            if agreement.samples.iter().all(|&s| s == 0) {
-                return Ok(None);
-            }
-            Some(agreement)
-        } else {
-            None
-        };
-        let batch = Batch {
-            samples,
-            drawn,
-            out_of_data: !run.policy.join() && input.is_none() && !without_sample,
-            agreement,
-            item: None,
-        };
-        Ok(Some((batch, input)))
-    }
-
-    /// The learning-rate step and the batch's forward and backward passes: its gradients
-    /// (`None` without a batch); the output goes to `batch.item`.
-    fn forward(
-        &mut self,
-        input: Option<TrainingModelInput<LC>>,
-        batch: &mut Batch<LC>,
-        run: &Run,
-        report: &mut RankReport,
-    ) -> Result<Option<GradientsParams>> {
-        if !batch.out_of_data {
-            // As burn-train's own loop: the scheduler steps once per batch (micro-batch with
-            // gradient accumulation), before the batch's forward pass; in join mode also on a
-            // rank without a batch, since the step goes on.
-            self.learner.lr_step();
-        }
-        let output = input
-            .map(|input| {
-                let started = Instant::now();
-                let output = self.learner.train_step(input);
-                // On an asynchronous runtime (CUDA, wgpu) the passes' kernels run behind this
-                // thread: their time is compute, not the bucket copies that would wait for them,
-                // and what the step produced (its output, its gradients, BatchNorm's statistics)
-                // is complete before any of it reaches another replica's thread.
-                crate::replica::sync_device::<TrainingBackend<LC>>(
-                    self.rank,
-                    &self.device,
-                    "the step's forward and backward passes",
-                )?;
-                report.compute += started.elapsed();
-                report.batches += 1;
-                Ok::<_, DdpError>(output)
-            })
-            .transpose()?;
-        if run.policy.join() && crate::sync_bn::used_on_this_thread() {
-            return Err(DdpError::InvalidConfig(
-                "SyncBatchNorm cannot be combined with UnevenInputs::Join: a rank without a \
-                 batch skips its forward pass and its SyncBatchNorm collectives"
-                    .into(),
-            ));
-        }
-        // Found after the first forward pass on every rank alike, not at the epoch's end.
-        if let Some(drawn) = batch.drawn
-            && drawn.leaves_a_rank_without_samples()
-            && crate::sync_bn::used_on_this_thread()
-        {
-            return Err(without_sample_under_sync_bn(drawn.last_step_samples));
-        }
-        Ok(match output {
-            Some(output) => {
-                batch.item = Some(output.item);
-                Some(output.grads)
-            }
-            // Join mode: this rank ran out of batches and contributes zeros.
-            None => None,
-        })
-    }
-
     /// The gradient reduction of an optimizer step (carrying the stop votes and this rank's
     /// position) and what follows it: the update or a skipped step, the buffers, the checks,
     /// the checkpoint due, the stops voted.
@@ -681,100 +556,6 @@ where
         Ok(())
     }
 
-    /// The end of an epoch: rank 0 reports the steps still on their way, every rank validates,
-    /// rank 0 checkpoints and decides early stopping, and every rank meets in one all-gather
-    /// (the barrier after the checkpoint, carrying the stop votes, the stop signals, the samples
-    /// each rank trained on and whether rank 0's checkpoint failed). Returns whether training
-    /// goes on.
-    fn end_epoch(&mut self, epoch: usize, trained: Trained, counters: &Counters) -> Result<bool> {
-        let interrupted = trained.stop.is_some();
-        let progress_global = &trained.progress_global;
-        self.events
-            .finish(&mut self.role, &comm!(self), progress_global)?;
-        if let Role::Leader(leader) = &mut self.role {
-            leader
-                .event_processor
-                .process_train(LearnerEvent::EndEpoch(epoch));
-        }
-        // Without a shard, only rank 0 validates (alone); the others have nothing to do.
-        let validates = self.valid_shard.is_some() || matches!(self.role, Role::Leader(_));
-        if !interrupted && validates {
-            let model = self.learner.model().valid();
-            Validating {
-                comm: comm!(self),
-                role: &mut self.role,
-                events: &mut self.events,
-                interrupter: &self.interrupter,
-                progress_global,
-            }
-            .run(self.valid_shard.as_ref(), model)?;
-        }
-        // Rank 0: checkpoints and early stopping, on the epoch's own metrics.
-        let mut stop_requested = interrupted;
-        let mut written = Ok(());
-        let epoch_checkpoints = self.sharded.as_ref().is_some_and(|s| s.epoch_checkpoints);
-        let own_state = match !interrupted && epoch_checkpoints {
-            true => self.whole_optimizer_state()?,
-            false => None,
-        };
-        if matches!(self.role, Role::Leader(_)) && !interrupted {
-            written = self.write_epoch_checkpoint(epoch, counters);
-            Sharded::put_back(&mut self.learner, own_state);
-            if written.is_ok()
-                && let Role::Leader(leader) = &mut self.role
-                && let Some(early_stopping) = &mut leader.early_stopping
-                && early_stopping.should_stop(epoch, &leader.event_store)
-            {
-                tracing::info!("burn-ddp: early stopping after epoch {epoch}");
-                stop_requested = true;
-            }
-        }
-        let votes = self.group.all_gather(
-            &[
-                u64::from(stop_requested || self.interrupter.should_stop()),
-                self.signal().map_or(0, |s| s as u64),
-                trained.local_samples,
-                u64::from(written.is_err()),
-            ],
-            self.config.epoch_end_timeout(),
-        )?;
-        if votes.chunks(4).any(|v| v[3] != 0) {
-            // Every rank fails, and the launcher does not take the job for done.
-            return Err(written.err().unwrap_or_else(|| DdpError::Checkpoint {
-                path: self
-                    .config
-                    .checkpoint_dir()
-                    .map(|d| d.join(format!("model-{epoch}")).display().to_string())
-                    .unwrap_or_default(),
-                detail: format!(
-                    "rank 0 could not write the checkpoint of epoch {epoch} (see rank 0's error)"
-                ),
-            }));
-        }
-        if let Role::Leader(_) = &self.role {
-            lock(&self.report).epochs.push(EpochReport {
-                epoch,
-                samples: votes.chunks(4).map(|v| v[2]).sum(),
-                steps: trained.steps,
-                train_time: trained.train_time,
-            });
-        }
-        let signalled: Vec<(usize, i32)> = votes
-            .chunks(4)
-            .enumerate()
-            .filter(|(_, v)| v[1] != 0)
-            .map(|(r, v)| (r, v[1] as i32))
-            .collect();
-        let stopping = votes.chunks(4).any(|v| v[0] != 0);
-        if !signalled.is_empty() && epoch < *self.epochs.end() && !interrupted && !stopping {
-            // The epoch is complete: the next run starts with the next one.
-            return Err(self.stop_for_signal(epoch + 1, 0, counters, signalled));
-        }
-        // Early stopping (or the interrupter) ends the run here anyway: it finishes normally
-        // even if a stop signal came in too, as after the last epoch.
-        Ok(!stopping)
-    }
-
     /// One small all-gather per step: how many samples each rank's batch has (0: none left),
     /// whether it was interrupted and whether it received a stop signal. Every rank gets the same
     /// answer, so all stop at the same step.
@@ -791,20 +572,6 @@ where
         } else {
             None
         }
-    }
-
-    /// Keeps buffers identical across replicas ([`Buffers`]).
-    fn sync_buffers(&mut self, ddp: &DistributedDataParallel<TrainingBackend<LC>>) -> Result<()> {
-        let model = match (self.buffers, self.config.buffer_sync()) {
-            (Buffers::Alone, _) | (Buffers::Separate, BufferSync::None) => return Ok(()),
-            (Buffers::Shared, _) => return ddp.settle_shared_buffers(&self.learner.model()),
-            (Buffers::Separate, BufferSync::Average) => {
-                ddp.average_buffers(self.learner.model())?
-            }
-            (Buffers::Separate, BufferSync::Broadcast) => ddp.sync_buffers(self.learner.model())?,
-        };
-        self.learner.load_model(model.into_record());
-        Ok(())
     }
 }
 
