@@ -9,9 +9,9 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Distribution, Tensor, TensorData};
 use burn_ddp::comm::topology::{Topology, TopologySource};
 use burn_ddp::group::{ReduceOp, TcpGroupOptions};
-use burn_ddp::mechanism::{Reducer, ReplicaLayout};
+use burn_ddp::mechanism::{Reducer, ReducerOptions, ReplicaLayout};
 use burn_ddp::{
-    DdpConfig, ProcessGroup,
+    ProcessGroup,
     group::{TcpGroup, ThreadGroup},
 };
 use serde::{Deserialize, Serialize};
@@ -395,10 +395,12 @@ pub fn bucket_sweep(
         caps.iter()
             .map(|cap| {
                 let bytes = cap.unwrap_or(1);
-                let config = DdpConfig::default()
-                    .with_bucket_cap_bytes(bytes)
-                    .with_first_bucket_cap_bytes(bytes);
-                let Ok(mut reducer) = Reducer::new(group.clone(), &model, &config) else {
+                let options = ReducerOptions {
+                    bucket_cap_bytes: bytes,
+                    first_bucket_cap_bytes: bytes,
+                    ..ReducerOptions::default()
+                };
+                let Ok(mut reducer) = Reducer::new(group.clone(), &model, &options) else {
                     return (0, f64::NAN, [f64::NAN; 3]);
                 };
                 let buckets = reducer.layout().buckets().len();

@@ -248,7 +248,7 @@ pub struct StepState {
     /// and their SHA-256. Empty when read from a state written before this field existed (its
     /// files are then `ddp-model-<n>.mpk`, ..., unchecked).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub records: Vec<RecordFile>,
+    pub(crate) records: Vec<RecordFile>,
     /// HMAC-SHA-256 of the state (without this field) under the job's key, when the job has a
     /// token: a resumed run of the job checks it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -257,7 +257,7 @@ pub struct StepState {
 
 /// A record file of a step checkpoint and its content's SHA-256.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RecordFile {
+pub(crate) struct RecordFile {
     /// The file's name, in the state file's directory.
     pub name: String,
     /// SHA-256 of its bytes, hexadecimal.
@@ -324,6 +324,12 @@ impl StepState {
     /// `dir/ddp-step-<run tag>-<number>.json`.
     pub fn path_of(dir: &Path, run_id: &str, number: u64) -> PathBuf {
         dir.join(format!("ddp-step-{}-{number}.json", run_tag(run_id)))
+    }
+
+    /// The names of the checkpoint's record files (model, optimizer, LR scheduler), in the
+    /// state file's directory; none for a state written before states listed them.
+    pub fn record_files(&self) -> impl Iterator<Item = &str> {
+        self.records.iter().map(|record| record.name.as_str())
     }
 
     /// This state's file in `dir`.

@@ -14,7 +14,7 @@ use crate::context::RankHold;
 use crate::error::{DdpError, Result};
 use crate::lockstep::{Position, Probe};
 use crate::metrics::CommStats;
-use crate::reducer::{BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
+use crate::reducer::{BucketLayout, ReduceOptions, ReduceOutcome, Reducer, ReducerOptions};
 use crate::replica::{
     Replica, ReplicaLayout, average_selected, broadcast_autodiff_module, broadcast_selected,
     verify_values_across,
@@ -137,9 +137,10 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
         device: &B::Device,
         config: DdpConfig,
     ) -> Result<(Self, M)> {
+        config.validate()?;
         let rank = crate::context::hold_rank(group.rank(), group.world_size());
         let layout = ReplicaLayout::of(&module);
-        let mut reducer = Reducer::new(group.clone(), &layout, &config)?;
+        let mut reducer = Reducer::new(group.clone(), &layout, &ReducerOptions::of(&config))?;
         let shards = config.optimizer_sharding().then(|| {
             OptimizerShards::new(&layout, group.rank(), group.world_size())
                 .sharing(config.shared_memory_reduction())

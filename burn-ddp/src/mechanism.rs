@@ -7,7 +7,9 @@
 //! the crate root's.
 
 pub use crate::monitor::SyncWatch;
-pub use crate::reducer::{Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer};
+pub use crate::reducer::{
+    Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer, ReducerOptions,
+};
 pub use crate::replica::{ReplicaLayout, TensorKind, TensorSpec, value_fingerprint};
 pub use crate::sharding::OptimizerShards;
 pub use crate::sharding::state::optimizer_state_bytes;

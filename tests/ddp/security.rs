@@ -509,8 +509,9 @@ fn a_step_checkpoint_whose_record_was_swapped_is_not_resumed() {
             .collect();
     states.sort_by_key(|s| std::cmp::Reverse(s.number));
     assert!(states.len() >= 2, "two step checkpoints kept");
-    let model_of =
-        |state: &burn_ddp::checkpoint::StepState| checkpoints.join(&state.records[0].name);
+    let model_of = |state: &burn_ddp::checkpoint::StepState| {
+        checkpoints.join(state.record_files().next().unwrap())
+    };
     std::fs::copy(model_of(&states[1]), model_of(&states[0])).unwrap();
     let newest = states[0].file_in(&checkpoints);
     match train_run(&dir, "run-a", 3, |c| c.with_resume_from(&newest)) {

@@ -27,6 +27,7 @@
 //! `mpi` feature, `MpiGroup` (the processes of an MPI job, over the site's MPI library; its
 //! reduction order is MPI's own and a failure ends the job with `MPI_Abort`, see its docs).
 
+pub(crate) mod call;
 pub(crate) mod collective;
 mod counting;
 mod extension;

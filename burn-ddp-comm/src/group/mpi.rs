@@ -38,9 +38,8 @@
 //! every rank, and the group refuses later calls with [`CommError::Aborted`] (under `DdpStrategy`,
 //! whose ranks abort on any failure, it then ends the job like the others).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mpi::Threading;
 use mpi::collective::SystemOperation;
@@ -49,6 +48,7 @@ use mpi::request::Request;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+use super::call::{Call, Calls, finish_average};
 use super::extension::check_blocks;
 use super::{Collective, HalfFloat, Native, ProcessGroup, ReduceOp, backoff, lock, reduce_widened};
 use crate::error::{CommError, Result};
@@ -247,20 +247,11 @@ pub struct MpiGroup {
     world_size: usize,
     local_rank: usize,
     local_world_size: usize,
-    seq: AtomicU64,
+    /// The sequence numbers and the abort's reason.
+    calls: Calls,
     comm: Mutex<Comm>,
-    aborted: Mutex<Option<String>>,
     /// Declared last: dropped (finalising MPI if this was the last group) after `comm` is freed.
     environment: Arc<Environment>,
-}
-
-/// A call in progress: what it is, for errors and the timeout.
-#[derive(Clone, Copy)]
-struct Call {
-    op: Collective,
-    seq: u64,
-    deadline: Option<Instant>,
-    timeout: Duration,
 }
 
 impl MpiGroup {
@@ -315,12 +306,11 @@ impl MpiGroup {
             world_size,
             local_rank: local.rank() as usize,
             local_world_size: local.size() as usize,
-            seq: AtomicU64::new(0),
+            calls: Calls::default(),
             comm: Mutex::new(Comm {
                 world,
                 send: Vec::new(),
             }),
-            aborted: Mutex::new(None),
             environment,
         };
         Ok(group)
@@ -339,21 +329,7 @@ impl MpiGroup {
 
     /// Starts a call: its sequence number, refused after an abort.
     fn begin(&self, op: Collective, timeout: Duration) -> Result<Call> {
-        let call = Call {
-            op,
-            seq: self.seq.fetch_add(1, Ordering::Relaxed),
-            deadline: Instant::now().checked_add(timeout),
-            timeout,
-        };
-        if let Some(cause) = lock(&self.aborted).clone() {
-            return Err(CommError::Aborted {
-                rank: self.rank,
-                op,
-                seq: call.seq,
-                cause,
-            });
-        }
-        Ok(call)
+        self.calls.begin(self.rank, op, timeout)
     }
 
     /// Waits for `request` until the call's deadline, polling `MPI_Test`; past it, ends the job.
@@ -368,16 +344,8 @@ impl MpiGroup {
                 Ok(_) => return,
                 Err(pending) => request = pending,
             }
-            if call.deadline.is_some_and(|d| Instant::now() >= d) {
-                let err = CommError::Timeout {
-                    rank: self.rank,
-                    op: call.op,
-                    seq: call.seq,
-                    timeout: call.timeout,
-                    missing: Vec::new(),
-                    last_seen: Vec::new(),
-                };
-                self.end_job(&err.to_string());
+            if call.expired() {
+                self.end_job(&call.timed_out(Vec::new(), Vec::new()).to_string());
             }
             backoff(&mut polls);
         }
@@ -446,8 +414,7 @@ impl MpiGroup {
                         .unwrap_or(Collective::Barrier),
                     peer_seq: theirs[0],
                 };
-                let mut aborted = lock(&self.aborted);
-                aborted.get_or_insert_with(|| err.to_string());
+                self.calls.abort(&err.to_string());
                 return Err(err);
             }
         }
@@ -480,10 +447,7 @@ impl ProcessGroup for MpiGroup {
             return Ok(());
         }
         self.sum(&call, bucket)?;
-        if op == ReduceOp::Avg {
-            let divisor = self.world_size as f32;
-            bucket.iter_mut().for_each(|v| *v /= divisor);
-        }
+        finish_average(bucket, op, self.world_size);
         Ok(())
     }
 
@@ -559,7 +523,7 @@ impl ProcessGroup for MpiGroup {
     /// in a collective that cannot be cancelled. A group of one only records it.
     fn abort(&self, reason: &str) {
         let reason = format!("rank {} aborted the group: {reason}", self.rank);
-        lock(&self.aborted).get_or_insert_with(|| reason.clone());
+        self.calls.abort(&reason);
         if self.world_size > 1 {
             // Below MPI_THREAD_MULTIPLE no two MPI calls may overlap: wait for a pending call
             // (it ends by its deadline, with MPI_Abort of its own if it times out).
@@ -569,7 +533,7 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn aborted(&self) -> Option<String> {
-        lock(&self.aborted).clone()
+        self.calls.aborted()
     }
 
     fn native(&self) -> Option<&dyn Native> {
@@ -603,10 +567,7 @@ impl Native for MpiGroup {
         }
         reduce_widened(bucket, format, |wide| {
             self.sum(&call, wide)?;
-            if op == ReduceOp::Avg {
-                let divisor = self.world_size as f32;
-                wide.iter_mut().for_each(|v| *v /= divisor);
-            }
+            finish_average(wide, op, self.world_size);
             Ok(())
         })
     }
@@ -656,10 +617,7 @@ impl Native for MpiGroup {
             );
             self.complete(&call, request);
         });
-        if op == ReduceOp::Avg {
-            let divisor = self.world_size as f32;
-            recv.iter_mut().for_each(|v| *v /= divisor);
-        }
+        finish_average(recv, op, self.world_size);
         Ok(())
     }
 }
@@ -670,7 +628,7 @@ impl std::fmt::Debug for MpiGroup {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("local_rank", &self.local_rank)
-            .field("next_seq", &self.seq.load(Ordering::Relaxed))
+            .field("next_seq", &self.calls.peek())
             .finish()
     }
 }

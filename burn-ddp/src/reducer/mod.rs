@@ -3,7 +3,7 @@
 //! Following PyTorch DDP's `Reducer`:
 //! - parameters are assigned to buckets in **reverse registration order** (the last layers'
 //!   gradients come first out of the backward pass), with a size cap per bucket: 1 MiB for the
-//!   first, 25 MiB for the others by default ([`DdpConfig`]); a bucket closes once it reaches its
+//!   first, 25 MiB for the others by default ([`ReducerOptions`]); a bucket closes once it reaches its
 //!   cap, so a parameter larger than the cap gets a bucket of its own ([`layout`]);
 //! - the layout depends only on shapes and order, so it is the same on every rank (checked at
 //!   start-up by [`ReplicaLayout::verify_across`]);
@@ -47,7 +47,7 @@ mod shared;
 use crate::compress::GradientCompression;
 pub(crate) use gradients::scale as scale_gradients;
 pub use layout::{Bucket, BucketLayout};
-pub use options::{ReduceOptions, ReduceOutcome};
+pub use options::{ReduceOptions, ReduceOutcome, ReducerOptions};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -57,7 +57,6 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use crate::config::DdpConfig;
 use crate::error::{DdpError, Result};
 use crate::hooks::CommHook;
 use crate::metrics::CommStats;
@@ -122,22 +121,23 @@ impl Reducer {
     ///
     /// # Errors
     /// [`DdpError::ReplicaMismatch`] (on every rank) when the replicas differ; the collective's
-    /// errors; [`DdpError::InvalidConfig`] for an invalid `config`.
+    /// errors; [`DdpError::InvalidConfig`] for a zero timeout or bucket cap, or a hook on a group
+    /// that reduces device buckets (NCCL).
     pub fn new(
         group: Arc<dyn ProcessGroup>,
         replica: &ReplicaLayout,
-        config: &DdpConfig,
+        config: &ReducerOptions,
     ) -> Result<Self> {
         config.validate()?;
         // Every rank has the same configuration and kind of group, so every rank fails here
         // alike; the abort covers a peer that does not.
         let hook = hook_for(config, group.as_ref()).inspect_err(|e| group.abort(&e.to_string()))?;
-        replica.verify_across(group.as_ref(), config.timeout())?;
-        let scatterable = config.comm_hook().is_none()
-            && config.gradient_compression() == GradientCompression::None;
-        let shareable = config.shared_memory_reduction() && scatterable;
+        replica.verify_across(group.as_ref(), config.timeout)?;
+        let scatterable =
+            config.comm_hook.is_none() && config.gradient_compression == GradientCompression::None;
+        let shareable = config.shared_memory_reduction && scatterable;
         let buckets = if group.reduces_device_tensors() {
-            Buckets::Device(DeviceBuckets::new(config.gradient_compression()))
+            Buckets::Device(DeviceBuckets::new(config.gradient_compression))
         } else if shareable {
             // Thread replicas on one device share tensors; other ranks find out at the first
             // step and use the host buckets.
@@ -150,13 +150,13 @@ impl Reducer {
         Ok(Self {
             link: Link {
                 group,
-                timeout: config.timeout(),
+                timeout: config.timeout,
                 stats: CommStats::default(),
             },
             agreed: Agreed::new(
                 replica,
-                config.first_bucket_cap_bytes(),
-                config.bucket_cap_bytes(),
+                config.first_bucket_cap_bytes,
+                config.bucket_cap_bytes,
             ),
             buckets,
             last_counts: (0, 0, 0),
@@ -659,8 +659,8 @@ fn newly_trainable<B: Backend>(
 ///
 /// # Errors
 /// [`DdpError::InvalidConfig`] for a user's hook on a group that reduces device buckets (NCCL).
-fn hook_for(config: &DdpConfig, group: &dyn ProcessGroup) -> Result<Arc<dyn CommHook>> {
-    if let Some(hook) = config.comm_hook() {
+fn hook_for(config: &ReducerOptions, group: &dyn ProcessGroup) -> Result<Arc<dyn CommHook>> {
+    if let Some(hook) = &config.comm_hook {
         if group.reduces_device_tensors() {
             return Err(DdpError::InvalidConfig(format!(
                 "the communication hook `{}` reduces host buckets, but the {} process group \
@@ -673,7 +673,7 @@ fn hook_for(config: &DdpConfig, group: &dyn ProcessGroup) -> Result<Arc<dyn Comm
         return Ok(hook.clone());
     }
     use crate::hooks::{AllReduce, Compress16};
-    Ok(match config.gradient_compression() {
+    Ok(match config.gradient_compression {
         GradientCompression::None => Arc::new(AllReduce),
         GradientCompression::Bf16 => Arc::new(Compress16::new(HalfFloat::Bf16)),
         GradientCompression::F16 => Arc::new(Compress16::new(HalfFloat::F16)),
@@ -683,6 +683,7 @@ fn hook_for(config: &DdpConfig, group: &dyn ProcessGroup) -> Result<Arc<dyn Comm
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DdpConfig;
     use crate::replica::Replica;
     use burn::backend::NdArray;
     use burn::nn::{Linear, LinearConfig};
@@ -726,7 +727,7 @@ mod tests {
                     s.spawn(move || {
                         let group: Arc<dyn ProcessGroup> = Arc::new(group);
                         let mut reducer =
-                            Reducer::new(group, layout, &DdpConfig::default()).unwrap();
+                            Reducer::new(group, layout, &ReducerOptions::default()).unwrap();
                         let grads = grads_of(layer, w, b);
                         reducer
                             .reduce_with::<B>(
@@ -991,7 +992,8 @@ mod tests {
                         );
                         let host = scatter || matches!(path, Path::Host | Path::HostPerBucket);
                         let config = config.clone().with_shared_memory_reduction(!host);
-                        let mut reducer = Reducer::new(group, layout, &config).unwrap();
+                        let mut reducer =
+                            Reducer::new(group, layout, &ReducerOptions::of(&config)).unwrap();
                         if matches!(path, Path::HostPerBucket | Path::ScatterPerBucket) {
                             reducer.force_host_transfer(gradients::Transfer::PerBucket);
                         }

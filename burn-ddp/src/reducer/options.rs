@@ -1,9 +1,97 @@
-//! What a reduction takes and gives ([`ReduceOptions`], [`ReduceOutcome`]), and the control words
-//! that carry a step's layout changes and the caller's words in its first bucket.
+//! What a reducer is built with ([`ReducerOptions`]), what a reduction takes and gives
+//! ([`ReduceOptions`], [`ReduceOutcome`]), and the control words that carry a step's layout
+//! changes and the caller's words in its first bucket.
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use burn::optim::GradientsParams;
 
-use burn_ddp_comm::group::ReduceOp;
+use crate::compress::GradientCompression;
+use crate::config::DdpConfig;
+use crate::error::{DdpError, Result};
+use crate::hooks::CommHook;
+use burn_ddp_comm::group::{DEFAULT_TIMEOUT, ReduceOp};
+
+/// What a [`Reducer`](super::Reducer) is built with: the six settings of
+/// [`DdpConfig`] it reads, with the same defaults (`DistributedDataParallel` hands them over
+/// from its configuration).
+///
+/// ```
+/// use burn_ddp::mechanism::ReducerOptions;
+/// let options = ReducerOptions {
+///     bucket_cap_bytes: 4 << 20,
+///     ..ReducerOptions::default()
+/// };
+/// assert_eq!(options.first_bucket_cap_bytes, 1 << 20);
+/// ```
+#[derive(Debug, Clone)]
+pub struct ReducerOptions {
+    /// Timeout of every collective of the reducer (default 300 s,
+    /// [`DEFAULT_TIMEOUT`](burn_ddp_comm::group::DEFAULT_TIMEOUT)).
+    pub timeout: Duration,
+    /// Size cap of the first bucket, in bytes (default
+    /// [`DdpConfig::DEFAULT_FIRST_BUCKET_CAP_BYTES`], 1 MiB).
+    pub first_bucket_cap_bytes: usize,
+    /// Size cap of the other buckets, in bytes (default
+    /// [`DdpConfig::DEFAULT_BUCKET_CAP_BYTES`], 25 MiB).
+    pub bucket_cap_bytes: usize,
+    /// How a host bucket is reduced (default: `None`, the built-in all-reduce or, with
+    /// `gradient_compression`, the 16-bit hook).
+    pub comm_hook: Option<Arc<dyn CommHook>>,
+    /// The gradients' format on the wire (default [`GradientCompression::None`]).
+    pub gradient_compression: GradientCompression,
+    /// Whether thread replicas on one CPU device hand each other their gradient tensors instead
+    /// of copying them through buckets (default `true`).
+    pub shared_memory_reduction: bool,
+}
+
+impl Default for ReducerOptions {
+    fn default() -> Self {
+        Self {
+            timeout: DEFAULT_TIMEOUT,
+            first_bucket_cap_bytes: DdpConfig::DEFAULT_FIRST_BUCKET_CAP_BYTES,
+            bucket_cap_bytes: DdpConfig::DEFAULT_BUCKET_CAP_BYTES,
+            comm_hook: None,
+            gradient_compression: GradientCompression::None,
+            shared_memory_reduction: true,
+        }
+    }
+}
+
+impl ReducerOptions {
+    /// `config`'s values of the settings a reducer reads.
+    pub(crate) fn of(config: &DdpConfig) -> Self {
+        Self {
+            timeout: config.timeout(),
+            first_bucket_cap_bytes: config.first_bucket_cap_bytes(),
+            bucket_cap_bytes: config.bucket_cap_bytes(),
+            comm_hook: config.comm_hook().cloned(),
+            gradient_compression: config.gradient_compression(),
+            shared_memory_reduction: config.shared_memory_reduction(),
+        }
+    }
+
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidConfig`] for a zero timeout or a zero bucket cap.
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.timeout.is_zero() {
+            return Err(DdpError::InvalidConfig(
+                "the reducer's timeout must be positive".into(),
+            ));
+        }
+        if self.bucket_cap_bytes == 0 || self.first_bucket_cap_bytes == 0 {
+            return Err(DdpError::InvalidConfig(format!(
+                "bucket caps must be positive, got bucket_cap_bytes {} and \
+                 first_bucket_cap_bytes {}",
+                self.bucket_cap_bytes, self.first_bucket_cap_bytes
+            )));
+        }
+        Ok(())
+    }
+}
 
 /// The words the first bucket of every step carries after its presence flags: the reducer's own
 /// two (did the model change) and the caller's ([`ReduceOptions::words`]). Summed (or averaged)

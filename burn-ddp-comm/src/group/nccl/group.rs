@@ -17,7 +17,6 @@
 
 use std::any::Any;
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -35,6 +34,7 @@ use super::api::{
 use super::driver::{check_blocking_env, driver_error, grant_pool_access};
 pub use super::driver::{check_cuda_driver, cuda_device_count};
 use crate::error::{CommError, Result};
+use crate::group::call::Calls;
 use crate::group::extension::check_blocks;
 use crate::group::{Collective, Native, ProcessGroup, ReduceOp, backoff};
 
@@ -134,8 +134,8 @@ pub struct NcclGroup {
     api: Arc<NcclApi>,
     host: Arc<dyn ProcessGroup>,
     cuda: Mutex<Cuda>,
-    seq: AtomicU64,
-    aborted: Mutex<Option<String>>,
+    /// The sequence numbers (from 1 here: setup steps are 0) and the abort's reason.
+    calls: Calls,
 }
 
 impl std::fmt::Debug for NcclGroup {
@@ -297,8 +297,7 @@ impl NcclGroup {
                 scratch_bytes: 0,
                 broken: None,
             }),
-            seq: AtomicU64::new(0),
-            aborted: Mutex::new(None),
+            calls: Calls::default(),
         };
         if code != NCCL_SUCCESS && code != NCCL_IN_PROGRESS {
             return Err(api.error(code, rank, "ncclCommInitRankConfig", 0, comm));
@@ -330,17 +329,12 @@ impl NcclGroup {
     }
 
     fn next_seq(&self) -> u64 {
-        self.seq.fetch_add(1, Ordering::Relaxed) + 1
+        self.calls.next() + 1
     }
 
     /// Fails fast on a group that was aborted or whose communicator is broken.
     fn check_usable(&self, cuda: &Cuda, op: Collective, seq: u64) -> Result<()> {
-        let cause = cuda.broken.clone().or_else(|| {
-            self.aborted
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone()
-        });
+        let cause = cuda.broken.clone().or_else(|| self.calls.aborted());
         match cause {
             Some(cause) => Err(CommError::Aborted {
                 rank: self.rank,
@@ -448,22 +442,14 @@ impl ProcessGroup for NcclGroup {
     }
 
     fn abort(&self, reason: &str) {
-        {
-            let mut aborted = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
-            if aborted.is_none() {
-                *aborted = Some(format!("rank {} aborted the group: {reason}", self.rank));
-            }
-        }
+        self.calls
+            .abort(&format!("rank {} aborted the group: {reason}", self.rank));
         // The peers learn it through the host group (their waits poll it).
         self.host.abort(reason);
     }
 
     fn aborted(&self) -> Option<String> {
-        self.aborted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .or_else(|| self.host.aborted())
+        self.calls.aborted().or_else(|| self.host.aborted())
     }
 
     fn native(&self) -> Option<&dyn Native> {

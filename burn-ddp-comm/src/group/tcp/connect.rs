@@ -5,7 +5,6 @@
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
-use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use super::TcpGroup;
@@ -13,6 +12,7 @@ use super::accept::Acceptor;
 use super::wire::Peer;
 use crate::auth::{self, JobIdentity, Role, Service};
 use crate::error::{CommError, Result};
+use crate::group::call::Calls;
 use crate::rendezvous::{Rendezvous, rendezvous};
 use crate::topology::Topology;
 
@@ -162,9 +162,8 @@ impl TcpGroup {
         Ok(TcpGroup {
             rank,
             world_size,
-            seq: AtomicU64::new(0),
+            calls: Calls::default(),
             peers,
-            aborted: Mutex::new(None),
             rendezvous: Some(rendezvous),
             abort_polled: Mutex::new(None),
             scratch: Mutex::new(Vec::new()),

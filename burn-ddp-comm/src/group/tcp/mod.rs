@@ -32,17 +32,17 @@ mod wire;
 pub use connect::{SOCKET_IFNAME_VAR, TcpGroupOptions};
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 
+use super::call::{Call, Calls, finish_average};
 use super::extension::check_blocks;
 use super::{Collective, HalfFloat, Native, ProcessGroup, ReduceOp, lock};
 use crate::error::{CommError, Result};
 use crate::group::chunk_range;
 use crate::rendezvous::Rendezvous;
-use wire::{Call, Incoming, Outgoing, Peer, Streams};
+use wire::{Incoming, Outgoing, Peer, Streams};
 
 /// How often [`ProcessGroup::aborted`] asks the rendezvous store whether a peer aborted (a
 /// round trip to the store; collectives that run outside TCP, NCCL's, poll it while they wait).
@@ -52,9 +52,9 @@ const ABORT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 pub struct TcpGroup {
     rank: usize,
     world_size: usize,
-    seq: AtomicU64,
+    /// The sequence numbers and the abort's reason.
+    calls: Calls,
     peers: Vec<Option<Peer>>,
-    aborted: Mutex<Option<String>>,
     rendezvous: Option<Rendezvous>,
     /// When the store was last asked for an abort (see [`ABORT_POLL_INTERVAL`]).
     abort_polled: Mutex<Option<Instant>>,
@@ -76,22 +76,7 @@ impl TcpGroup {
     }
 
     fn begin(&self, op: Collective, timeout: Duration) -> Result<Call> {
-        let call = Call {
-            rank: self.rank,
-            seq: self.seq.fetch_add(1, Ordering::Relaxed),
-            op,
-            deadline: Instant::now().checked_add(timeout),
-            timeout,
-        };
-        if let Some(cause) = lock(&self.aborted).clone() {
-            return Err(CommError::Aborted {
-                rank: self.rank,
-                op,
-                seq: call.seq,
-                cause,
-            });
-        }
-        Ok(call)
+        self.calls.begin(self.rank, op, timeout)
     }
 
     fn next(&self) -> usize {
@@ -266,12 +251,8 @@ impl TcpGroup {
     }
 
     fn abort_with(&self, reason: &str, call: Call) {
-        {
-            let mut aborted = lock(&self.aborted);
-            if aborted.is_some() {
-                return;
-            }
-            *aborted = Some(reason.to_string());
+        if !self.calls.abort(reason) {
+            return;
         }
         // Peers whose collectives do not read these sockets (NCCL's) look in the store.
         if let Some(rendezvous) = &self.rendezvous {
@@ -403,13 +384,12 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn abort(&self, reason: &str) {
-        let call = Call {
-            rank: self.rank,
-            seq: self.seq.load(Ordering::Relaxed),
-            op: Collective::Barrier,
-            deadline: None,
-            timeout: Duration::ZERO,
-        };
+        let call = Call::new(
+            self.rank,
+            self.calls.peek(),
+            Collective::Barrier,
+            Duration::ZERO,
+        );
         self.abort_with(
             &format!("rank {} aborted the group: {reason}", self.rank),
             call,
@@ -419,7 +399,7 @@ impl ProcessGroup for TcpGroup {
     /// This rank's abort, a peer's abort frame read during a collective, or, at most every
     /// 100 ms, a peer's abort left in the rendezvous store (an unreachable store tells nothing).
     fn aborted(&self) -> Option<String> {
-        if let Some(reason) = lock(&self.aborted).clone() {
+        if let Some(reason) = self.calls.aborted() {
             return Some(reason);
         }
         let rendezvous = self.rendezvous.as_ref()?;
@@ -435,9 +415,8 @@ impl ProcessGroup for TcpGroup {
             return None;
         }
         let reason = rendezvous.store.get(&key, Duration::from_secs(1)).ok()?;
-        let reason = String::from_utf8_lossy(&reason).into_owned();
-        let mut aborted = lock(&self.aborted);
-        Some(aborted.get_or_insert(reason).clone())
+        self.calls.abort(&String::from_utf8_lossy(&reason));
+        self.calls.aborted()
     }
 
     fn native(&self) -> Option<&dyn Native> {
@@ -529,10 +508,7 @@ impl Native for TcpGroup {
                     *own += *theirs;
                 }
             }
-            if op == ReduceOp::Avg {
-                let divisor = n as f32;
-                recv.iter_mut().for_each(|v| *v /= divisor);
-            }
+            finish_average(recv, op, n);
             Ok(())
         })
     }
@@ -551,7 +527,7 @@ impl std::fmt::Debug for TcpGroup {
         f.debug_struct("TcpGroup")
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
-            .field("next_seq", &self.seq.load(Ordering::Relaxed))
+            .field("next_seq", &self.calls.peek())
             .finish()
     }
 }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Result};
 use crate::group::Collective;
+use crate::group::call::Call;
 
 pub(super) const HEADER_BYTES: usize = 40;
 pub(super) const KIND_DATA: u8 = 1;
@@ -27,16 +28,6 @@ pub(super) const KIND_ABORT: u8 = 2;
 pub(super) const ABORT_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The longest a transfer sleeps in `poll` before it looks at the clock again.
 const POLL_SLICE: Duration = Duration::from_millis(100);
-
-/// What a rank is doing, for error messages and frame checks.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Call {
-    pub rank: usize,
-    pub seq: u64,
-    pub op: Collective,
-    pub deadline: Option<Instant>,
-    pub timeout: Duration,
-}
 
 /// The header of a frame of `kind` for `call` with `payload` bytes.
 pub(super) fn header(kind: u8, call: &Call, payload: usize) -> [u8; HEADER_BYTES] {
@@ -226,14 +217,7 @@ fn timed_out(call: &Call, sends: &[Outgoing<'_>], receives: &[Incoming<'_>]) -> 
         .collect();
     missing.sort_unstable();
     missing.dedup();
-    CommError::Timeout {
-        rank: call.rank,
-        op: call.op,
-        seq: call.seq,
-        timeout: call.timeout,
-        missing,
-        last_seen: Vec::new(),
-    }
+    call.timed_out(missing, Vec::new())
 }
 
 /// The peers of a collective, each stream locked once for its duration.
@@ -299,10 +283,10 @@ impl<'g> Streams<'g> {
             if progressed {
                 continue;
             }
-            let now = Instant::now();
-            if call.deadline.is_some_and(|d| now >= d) {
+            if call.expired() {
                 return Err(timed_out(call, sends, receives));
             }
+            let now = Instant::now();
             let slice = call.deadline.map_or(POLL_SLICE, |d| {
                 d.saturating_duration_since(now).min(POLL_SLICE)
             });
@@ -513,13 +497,7 @@ mod tests {
     fn every_collective_round_trips_through_a_header() {
         let calls = crate::group::tests::every_kind();
         for op in calls {
-            let call = Call {
-                rank: 0,
-                seq: 42,
-                op,
-                deadline: None,
-                timeout: Duration::ZERO,
-            };
+            let call = Call::new(0, 42, op, Duration::ZERO);
             let h = header(KIND_DATA, &call, 12);
             assert_eq!(
                 Collective::decode(h[1], word(&h[16..24]), word(&h[24..32])),

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 mod reduce;
 
+use super::call::Call;
 use super::extension::check_blocks;
 use super::{Collective, Native, ProcessGroup, ReduceOp};
 use crate::error::{CommError, Result};
@@ -73,17 +74,6 @@ struct Posted {
     op: Collective,
     /// Address of the rank's buffer (`f32` or `u64` depending on `op`).
     addr: usize,
-}
-
-/// What a rank is doing, for error messages.
-#[derive(Clone, Copy)]
-struct Call {
-    rank: usize,
-    seq: u64,
-    op: Collective,
-    /// `None` when the timeout is too large to add to the clock (e.g. `Duration::MAX`): no limit.
-    deadline: Option<Instant>,
-    timeout: Duration,
 }
 
 /// What comes after a phase barrier.
@@ -139,13 +129,12 @@ impl ThreadGroup {
     }
 
     fn begin(&self, op: Collective, timeout: Duration) -> Call {
-        Call {
-            rank: self.rank,
-            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+        Call::new(
+            self.rank,
+            self.seq.fetch_add(1, Ordering::Relaxed),
             op,
-            deadline: Instant::now().checked_add(timeout),
             timeout,
-        }
+        )
     }
 
     /// Posts this rank's call and waits until every rank has posted, then checks the calls match.
@@ -253,14 +242,7 @@ impl ThreadGroup {
                         .iter()
                         .map(|&peer| (peer, st.last_seen[peer]))
                         .collect();
-                    let err = CommError::Timeout {
-                        rank: self.rank,
-                        op: call.op,
-                        seq: call.seq,
-                        timeout: call.timeout,
-                        missing,
-                        last_seen,
-                    };
+                    let err = call.timed_out(missing, last_seen);
                     return Err(self.fail_at_barrier(st, err));
                 }
                 Some(deadline) => {
@@ -337,12 +319,7 @@ fn peer_left(call: Call, peer: usize, reason: String) -> CommError {
 }
 
 fn aborted(call: Call, cause: &str) -> CommError {
-    CommError::Aborted {
-        rank: call.rank,
-        op: call.op,
-        seq: call.seq,
-        cause: cause.to_string(),
-    }
+    call.aborted(cause.to_string())
 }
 
 /// The first rank that left the group without arriving at the current barrier, with why.

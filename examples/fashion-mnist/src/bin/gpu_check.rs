@@ -365,8 +365,7 @@ fn consecutive_steps(group: &NcclGroup, steps: usize) -> Value {
 fn reducer_steps(group: Arc<NcclGroup>, steps: usize) -> Value {
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::GradientsParams;
-    use burn_ddp::DdpConfig;
-    use burn_ddp::mechanism::{ReduceOptions, Reducer, ReplicaLayout};
+    use burn_ddp::mechanism::{ReduceOptions, Reducer, ReducerOptions, ReplicaLayout};
     type Ad = burn::backend::Autodiff<Cuda>;
     let device = CudaDevice::new(0);
     let layer: Linear<Ad> = LinearConfig::new(300, 200).init(&device);
@@ -375,7 +374,10 @@ fn reducer_steps(group: Arc<NcclGroup>, steps: usize) -> Value {
         Reducer::new(
             group.clone() as Arc<dyn ProcessGroup>,
             &layout,
-            &DdpConfig::default().with_gradient_compression(compression),
+            &ReducerOptions {
+                gradient_compression: compression,
+                ..ReducerOptions::default()
+            },
         )
     };
     // f32, bf16 and f16 on the wire in turn (the 16-bit wires are scaled per bucket; the

@@ -51,12 +51,7 @@ impl NcclGroup {
                     }
                 }
             }
-            let aborted = self
-                .aborted
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone()
-                .or_else(|| self.host.aborted());
+            let aborted = self.calls.aborted().or_else(|| self.host.aborted());
             if let Some(cause) = aborted {
                 self.break_comm(cuda, &cause);
                 return Err(match step {
