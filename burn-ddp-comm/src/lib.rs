@@ -61,9 +61,20 @@
 //! # Ok::<(), burn_ddp_comm::CommError>(())
 //! ```
 //!
-//! The launcher itself is a library call too ([`launch::launch`] with a
-//! [`LaunchConfig`](launch::LaunchConfig)); burn-ddp's `burn-ddp` binary is a command line over
-//! it.
+//! ## The launcher
+//!
+//! What `burn-ddp run --nproc-per-node 2 -- ./train --epochs 3` does, as a library call (burn-ddp's
+//! `burn-ddp` binary is a command line over it): two worker processes with the environment above,
+//! their output prefixed with `[rank R]`, the others stopped when one fails.
+//!
+//! ```no_run
+//! use burn_ddp_comm::launch::{LaunchConfig, launch};
+//!
+//! let config = LaunchConfig::new(2, "./train", vec!["--epochs".into(), "3".into()]);
+//! let attempts = launch(&config)?;
+//! assert!(attempts.last().is_some_and(|attempt| attempt.first_failure.is_none()));
+//! # Ok::<(), burn_ddp_comm::CommError>(())
+//! ```
 
 #![warn(missing_docs)]
 

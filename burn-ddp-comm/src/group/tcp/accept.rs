@@ -9,7 +9,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::{Duration, Instant};
 
 use super::ABORT_POLL_INTERVAL;
-use super::connect::{HANDSHAKE_DEADLINE, Setup, parse_context};
+use super::dial::{HANDSHAKE_DEADLINE, Setup, parse_context};
 use super::wire::Peer;
 use crate::auth::{self, Service};
 use crate::error::{CommError, Result};

@@ -27,9 +27,10 @@
 
 mod accept;
 mod connect;
+mod dial;
 mod wire;
 
-pub use connect::{SOCKET_IFNAME_VAR, TcpGroupOptions};
+pub use connect::TcpGroupOptions;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -43,6 +44,11 @@ use crate::error::{CommError, Result};
 use crate::group::chunk_range;
 use crate::rendezvous::Rendezvous;
 use wire::{Incoming, Outgoing, Peer, Streams};
+
+/// The variable naming the network interface whose address ranks listen on and publish (like
+/// NCCL's `NCCL_SOCKET_IFNAME`, Gloo's `GLOO_SOCKET_IFNAME`): for hosts where the interface that
+/// reaches the store is not the one other nodes reach this host on.
+pub const SOCKET_IFNAME_VAR: &str = "BURN_DDP_SOCKET_IFNAME";
 
 /// How often [`ProcessGroup::aborted`] asks the rendezvous store whether a peer aborted (a
 /// round trip to the store; collectives that run outside TCP, NCCL's, poll it while they wait).
@@ -910,7 +916,7 @@ mod tests {
                 &intruder,
                 crate::auth::Service::Group,
                 crate::auth::Role::Worker,
-                &super::connect::tests_context(1, 2, 0),
+                &super::dial::tests_context(1, 2, 0),
                 Duration::from_secs(5),
             );
             assert!(refused.is_err(), "an intruder passed: {refused:?}");
