@@ -3,7 +3,7 @@
 //! Every failure is a value that names what went wrong: the rank that saw it, the collective
 //! operation and its sequence number, the timeout, and the peers involved. A failed collective also
 //! aborts its process group, so every other rank fails too instead of waiting for a peer that will
-//! never come. burn-ddp wraps it in its own error (`CommError::Comm`).
+//! never come. burn-ddp wraps it in its own error (`DdpError::Comm`).
 
 use std::time::Duration;
 

@@ -14,10 +14,11 @@ pub type Result<T, E = DdpError> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in data-parallel training.
 ///
-/// Variants that come from a collective carry `rank` (the rank that reports the error), `op` (the
-/// collective, with its arguments) and `seq` (the collective's sequence number on that rank,
-/// counted from 0 over all collectives of the process group). Sequence numbers let you line up the
-/// logs of different ranks: the same `seq` is the same rendezvous on every rank.
+/// The collectives' errors come wrapped in [`DdpError::Comm`]: they carry `rank` (the rank that
+/// reports the error), `op` (the collective, with its arguments) and `seq` (the collective's
+/// sequence number on that rank, counted from 0 over all collectives of the process group), so the
+/// logs of different ranks line up: the same `seq` is the same rendezvous on every rank. The other
+/// variants name the rank and the step they come from.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum DdpError {
     /// A collective, the store, the rendezvous, a connection between ranks or the launcher

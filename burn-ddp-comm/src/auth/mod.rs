@@ -162,7 +162,7 @@ pub enum Secret {
     None,
 }
 
-/// A job's run id and keys (see [`mechanism::auth`](crate::auth)). `Debug` shows no
+/// A job's run id and keys (see the [module docs](self)). `Debug` shows no
 /// key.
 #[derive(Clone)]
 pub struct JobIdentity {

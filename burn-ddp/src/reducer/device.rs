@@ -1,6 +1,6 @@
 //! Device buckets, for process groups that [reduce device tensors](ProcessGroup::reduces_device_tensors)
 //! (NCCL on CUDA): the gradients, their presence flags and the control words are concatenated on
-//! the device, optionally sent in a 16-bit format ([`compress`](super::compress)), all-reduced in
+//! the device, optionally sent in a 16-bit format ([`compress`](crate::compress)), all-reduced in
 //! place in device memory and sliced back into gradients, with no trip through the host. What the
 //! host must know (flags, control words, the checks' inputs) comes back in one small read per
 //! phase.

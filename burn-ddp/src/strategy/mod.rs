@@ -152,7 +152,7 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     ///   and connected here (the rendezvous waits for every rank, up to
     ///   [`TcpGroupOptions::default`]'s timeout), as [`with_process_group`](Self::with_process_group).
     /// - With the `mpi` feature, under an MPI launcher (`mpirun`, `srun --mpi=pmix`; see
-    ///   `burn_ddp::group::launched_by_mpi`): the same, with an `MpiGroup` on `MPI_COMM_WORLD`
+    ///   `burn_ddp::comm::group::launched_by_mpi`): the same, with an `MpiGroup` on `MPI_COMM_WORLD`
     ///   instead (rank, world size and local rank from MPI; no `MASTER_ADDR`, no store; the
     ///   rendezvous timeout of `options` does not apply: MPI's start-up is the launcher's).
     /// - A restart by the launcher (`burn-ddp run --max-restarts`, `BURN_DDP_RESTART_COUNT` above
@@ -176,8 +176,9 @@ impl<LC: LearningComponentsTypes> DdpStrategy<LC> {
     /// ```
     ///
     /// # Errors
-    /// [`DdpError::InvalidConfig`] when `devices` is empty or a launcher variable is malformed;
-    /// the rendezvous's errors (timeout naming the ranks that did not arrive, an address peers
+    /// [`DdpError::InvalidConfig`] when `devices` is empty;
+    /// [`DdpError::Comm`] when a launcher variable is malformed (`CommError::Topology`,
+    /// `CommError::InvalidConfig` for a job token or run id), and the rendezvous's errors (timeout naming the ranks that did not arrive, an address peers
     /// cannot use).
     /// [`DdpError::InvalidConfig`] also when the local rank has no device of its own
     /// (`local_rank >= devices.len()` among several different devices).

@@ -109,12 +109,13 @@ impl TcpGroup {
             ));
         }
         let started = Instant::now();
+        let interface = listen_interface(rank)?;
         let job = match &options.job {
             Some(job) => job.clone(),
             None => JobIdentity::from_env(&default_run_id(topology))?,
         };
         warn_if_open(&job, topology, options.job.is_none());
-        let (rendezvous, listener, listen_addr) = meet(topology, options, &job)?;
+        let (rendezvous, listener, listen_addr) = meet(topology, options, &job, interface)?;
         let setup = Setup {
             topology,
             job: &job,
@@ -144,26 +145,33 @@ impl TcpGroup {
     }
 }
 
+/// The address of the interface `BURN_DDP_SOCKET_IFNAME` names, when it names one.
+fn listen_interface(rank: usize) -> Result<Option<std::net::IpAddr>> {
+    match std::env::var(SOCKET_IFNAME_VAR) {
+        Ok(name) if !name.is_empty() => {
+            interface_ip(&name)
+                .map(Some)
+                .map_err(|detail| CommError::Connect {
+                    rank,
+                    peer: rank,
+                    addr: format!("{SOCKET_IFNAME_VAR}={name}"),
+                    detail,
+                })
+        }
+        _ => Ok(None),
+    }
+}
+
 /// The rendezvous of `topology`'s job, and the listener this rank published there: on the
 /// address this host uses to reach the store (a peer that reaches the store reaches it too, in
-/// the same address family), or on the interface `BURN_DDP_SOCKET_IFNAME` names.
+/// the same address family), or on `interface` (the one `BURN_DDP_SOCKET_IFNAME` names).
 fn meet(
     topology: &Topology,
     options: &TcpGroupOptions,
     job: &JobIdentity,
+    interface: Option<std::net::IpAddr>,
 ) -> Result<(Rendezvous, TcpListener, String)> {
     let rank = topology.rank;
-    let interface = match std::env::var(SOCKET_IFNAME_VAR) {
-        Ok(name) if !name.is_empty() => {
-            Some(interface_ip(&name).map_err(|detail| CommError::Connect {
-                rank,
-                peer: rank,
-                addr: format!("{SOCKET_IFNAME_VAR}={name}"),
-                detail,
-            })?)
-        }
-        _ => None,
-    };
     let mut listening = None;
     let rendezvous = rendezvous(topology, options.connect_timeout, job, |store_ip| {
         let ip = interface.unwrap_or(store_ip);
