@@ -469,70 +469,83 @@ fn bench(cli: &Cli) -> Results {
             .push((kind, collectives::gradient_bytes(kind)));
     }
     if !cli.skip_collectives {
-        let budget = Duration::from_millis(if cli.long { 1000 } else { 300 });
-        let sizes: Vec<usize> = (0..9).map(|i| 4096usize << (2 * i)).collect();
-        eprintln!("memcpy sweep");
-        let before = collectives::memcpy_sweep(&sizes, budget);
-        for group in [GroupKind::Threads, GroupKind::Tcp] {
-            eprintln!("all-reduce sweep: {}", group.name());
-            results
-                .all_reduce
-                .extend(collectives::all_reduce_sweep(group, 2, &sizes, budget));
-        }
-        let sizes_arg = sizes
-            .iter()
-            .map(usize::to_string)
-            .collect::<Vec<_>>()
-            .join(",");
-        let budget_arg = budget.as_millis().to_string();
-        let mpi = if cfg!(feature = "mpi") {
-            eprintln!("all-reduce sweep: {}", GroupKind::Mpi.name());
-            let mut command = mpirun(2);
-            command
-                .arg(std::env::current_exe().unwrap_or_else(|_| "ddp-bench".into()))
-                .args([
-                    "mpi-sweep",
-                    "--sizes",
-                    &sizes_arg,
-                    "--budget-ms",
-                    &budget_arg,
-                ]);
-            collectives::external_sweep(GroupKind::Mpi, 2, &sizes, command)
-        } else {
-            Err(format!(
-                "{}: not built (`cargo xtask bench --features mpi`)",
-                GroupKind::Mpi.name()
-            ))
-        };
-        eprintln!("all-reduce sweep: {}", GroupKind::Gloo.name());
-        let mut command = std::process::Command::new("python3");
+        sweep_collectives(cli, &models, &mut results);
+    }
+    project_links(&mut results, &plan);
+    results
+}
+
+/// The collectives: memcpy before and after, the all-reduce sweeps of every group (MPI and
+/// gloo as programs of their own), and the bucket cap sweep of every model.
+fn sweep_collectives(cli: &Cli, models: &[ModelKind], results: &mut Results) {
+    let budget = Duration::from_millis(if cli.long { 1000 } else { 300 });
+    let sizes: Vec<usize> = (0..9).map(|i| 4096usize << (2 * i)).collect();
+    eprintln!("memcpy sweep");
+    let before = collectives::memcpy_sweep(&sizes, budget);
+    for group in [GroupKind::Threads, GroupKind::Tcp] {
+        eprintln!("all-reduce sweep: {}", group.name());
+        results
+            .all_reduce
+            .extend(collectives::all_reduce_sweep(group, 2, &sizes, budget));
+    }
+    let sizes_arg = sizes
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let budget_arg = budget.as_millis().to_string();
+    let mpi = if cfg!(feature = "mpi") {
+        eprintln!("all-reduce sweep: {}", GroupKind::Mpi.name());
+        let mut command = mpirun(2);
         command
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/gloo_allreduce.py"))
-            .args(["--sizes", &sizes_arg, "--budget-ms", &budget_arg]);
-        let gloo = collectives::external_sweep(GroupKind::Gloo, 2, &sizes, command);
-        for sweep in [mpi, gloo] {
-            match sweep {
-                Ok(points) => results.all_reduce.extend(points),
-                Err(note) => results.notes.push(note),
-            }
-        }
-        // The roof is the better of two sweeps, before and after the all-reduces: the machine's
-        // drift then lowers the ratios rather than raising them.
-        eprintln!("memcpy sweep, again");
-        let after = collectives::memcpy_sweep(&sizes, budget);
-        results.memcpy = collectives::best_of(before, after);
-        for &kind in &models {
-            for group in [GroupKind::Threads, GroupKind::Tcp] {
-                eprintln!("bucket sweep: {} on {}", kind.name(), group.name());
-                results.buckets.extend(collectives::bucket_sweep(
-                    kind,
-                    group,
-                    &[1, 4, 25, 100],
-                    budget,
-                ));
-            }
+            .arg(std::env::current_exe().unwrap_or_else(|_| "ddp-bench".into()))
+            .args([
+                "mpi-sweep",
+                "--sizes",
+                &sizes_arg,
+                "--budget-ms",
+                &budget_arg,
+            ]);
+        collectives::external_sweep(GroupKind::Mpi, 2, &sizes, command)
+    } else {
+        Err(format!(
+            "{}: not built (`cargo xtask bench --features mpi`)",
+            GroupKind::Mpi.name()
+        ))
+    };
+    eprintln!("all-reduce sweep: {}", GroupKind::Gloo.name());
+    let mut command = std::process::Command::new("python3");
+    command
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/gloo_allreduce.py"))
+        .args(["--sizes", &sizes_arg, "--budget-ms", &budget_arg]);
+    let gloo = collectives::external_sweep(GroupKind::Gloo, 2, &sizes, command);
+    for sweep in [mpi, gloo] {
+        match sweep {
+            Ok(points) => results.all_reduce.extend(points),
+            Err(note) => results.notes.push(note),
         }
     }
+    // The roof is the better of two sweeps, before and after the all-reduces: the machine's
+    // drift then lowers the ratios rather than raising them.
+    eprintln!("memcpy sweep, again");
+    let after = collectives::memcpy_sweep(&sizes, budget);
+    results.memcpy = collectives::best_of(before, after);
+    for &kind in models {
+        for group in [GroupKind::Threads, GroupKind::Tcp] {
+            eprintln!("bucket sweep: {} on {}", kind.name(), group.name());
+            results.buckets.extend(collectives::bucket_sweep(
+                kind,
+                group,
+                &[1, 4, 25, 100],
+                budget,
+            ));
+        }
+    }
+}
+
+/// The projection of each model's measured single-device step onto the GPU links, from its
+/// gradient bytes.
+fn project_links(results: &mut Results, plan: &Plan) {
     for (kind, bytes) in results.gradient_bytes.clone() {
         let Some(single) = results.throughput.iter().find(|t| {
             t.model == kind && t.strategy == Strategy::Single && t.samples_per_second > 0.0
@@ -551,5 +564,4 @@ fn bench(cli: &Cli) -> Results {
             }
         }
     }
-    results
 }

@@ -141,6 +141,18 @@ impl Results {
     /// The Markdown report.
     pub fn markdown(&self) -> String {
         let mut md = String::new();
+        self.throughput_markdown(&mut md);
+        self.monitoring_markdown(&mut md);
+        self.prefetch_markdown(&mut md);
+        self.startup_markdown(&mut md);
+        self.collectives_markdown(&mut md);
+        self.buckets_markdown(&mut md);
+        self.projection_markdown(&mut md);
+        md
+    }
+
+    /// The throughput table: every strategy against plain Burn on one device.
+    fn throughput_markdown(&self, md: &mut String) {
         let _ = writeln!(md, "## Training throughput ({})\n", self.machine);
         let _ = writeln!(
             md,
@@ -216,7 +228,10 @@ impl Results {
             md,
             "| both | Burn `ExecutionStrategy::ddp` | - | - | - | skipped: needs Burn's `distributed` feature, whose `DistributedBackend` the CPU backends lack (CUDA only) | - | - | - |\n"
         );
+    }
 
+    /// What the per-step monitoring costs, when measured.
+    fn monitoring_markdown(&self, md: &mut String) {
         if let Some(cost) = &self.monitoring {
             // The fastest step any strategy took: the largest share the monitoring can have.
             let fastest = self
@@ -256,7 +271,10 @@ impl Results {
                 }
             }
         }
+    }
 
+    /// The prefetch workers' effect, when measured.
+    fn prefetch_markdown(&self, md: &mut String) {
         if !self.prefetch.is_empty() {
             let _ = writeln!(
                 md,
@@ -284,6 +302,10 @@ impl Results {
             }
             let _ = writeln!(md);
         }
+    }
+
+    /// The start-up's cost, when measured.
+    fn startup_markdown(&self, md: &mut String) {
         if let Some(cost) = &self.startup {
             let _ = writeln!(
                 md,
@@ -299,6 +321,10 @@ impl Results {
                 cost.group_connect_ms
             );
         }
+    }
+
+    /// The all-reduce of each group against memcpy, and the notes.
+    fn collectives_markdown(&self, md: &mut String) {
         let _ = writeln!(md, "## All-reduce (2 ranks, average)\n");
         let _ = writeln!(
             md,
@@ -344,7 +370,10 @@ impl Results {
         for note in &self.notes {
             let _ = writeln!(md, "\n- {note}");
         }
+    }
 
+    /// The bucket cap sweep.
+    fn buckets_markdown(&self, md: &mut String) {
         let _ = writeln!(
             md,
             "\n## Bucket cap (2 ranks, one gradient synchronisation)\n"
@@ -368,7 +397,10 @@ impl Results {
                 b.split_ms[2]
             );
         }
+    }
 
+    /// The projection to GPU links (not a measurement).
+    fn projection_markdown(&self, md: &mut String) {
         let _ = writeln!(md, "\n## Projection (not a measurement)\n");
         let _ = writeln!(
             md,
@@ -414,7 +446,6 @@ impl Results {
                 );
             }
         }
-        md
     }
 
     /// The global batch of the throughput runs (recorded in `machine`'s options).

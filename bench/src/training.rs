@@ -331,29 +331,9 @@ where
     let n = group
         .as_ref()
         .map_or(strategy.world_size(), |g| g.world_size());
-    let samples = plan.steps() * plan.global_batch;
-    let items = Arc::new(InMemDataset::new(synthetic_images(samples)));
-    let per_replica = plan.global_batch / n;
-    // Burn's strategies slice the loader themselves and take its batch size per device; burn-ddp
-    // gets a DistributedDataLoader with the same per-replica batch.
-    let train: Arc<dyn DataLoader<B, FashionBatch<B>>> = match strategy {
-        Strategy::Single => DataLoaderBuilder::new(FashionBatcher)
-            .batch_size(plan.global_batch)
-            .build(InMemDataset::new(synthetic_images(samples))),
-        Strategy::BurnMultiDevice(_) | Strategy::BurnMultiDeviceSharded(_) => {
-            DataLoaderBuilder::new(FashionBatcher)
-                .batch_size(per_replica)
-                .build(InMemDataset::new(synthetic_images(samples)))
-        }
-        _ => match DistributedSampler::new(samples, n).and_then(|sampler| {
-            let batcher = CostlyBatcher {
-                per_sample: loader.decode_per_sample,
-            };
-            DistributedDataLoader::new(items, batcher, sampler, per_replica, device)
-        }) {
-            Ok(distributed) => Arc::new(distributed.with_num_workers(loader.workers)),
-            Err(e) => return failed(kind, strategy, e.to_string()),
-        },
+    let train = match train_loader(strategy, plan, n, loader, device) {
+        Ok(train) => train,
+        Err(e) => return failed(kind, strategy, e),
     };
     let valid = DataLoaderBuilder::new(FashionBatcher)
         .batch_size(8)
@@ -432,7 +412,55 @@ where
     // Let burn-train's event thread deliver the last items.
     std::thread::sleep(Duration::from_millis(100));
     let ticks = clock.0.lock().map(|t| t.clone()).unwrap_or_default();
-    let windows = windows(&ticks, plan);
+    summarise(kind, strategy, plan, &ticks, report, whole_optimizer_state)
+}
+
+/// The training loader of `strategy` over `n` replicas: Burn's strategies slice the loader
+/// themselves and take its batch size per device; burn-ddp gets a `DistributedDataLoader` with the
+/// same per-replica batch.
+fn train_loader(
+    strategy: Strategy,
+    plan: &Plan,
+    n: usize,
+    loader: Loader,
+    device: burn::tensor::Device<B>,
+) -> Result<Arc<dyn DataLoader<B, FashionBatch<B>>>, String> {
+    let samples = plan.steps() * plan.global_batch;
+    let items = Arc::new(InMemDataset::new(synthetic_images(samples)));
+    let per_replica = plan.global_batch / n;
+    Ok(match strategy {
+        Strategy::Single => DataLoaderBuilder::new(FashionBatcher)
+            .batch_size(plan.global_batch)
+            .build(InMemDataset::new(synthetic_images(samples))),
+        Strategy::BurnMultiDevice(_) | Strategy::BurnMultiDeviceSharded(_) => {
+            DataLoaderBuilder::new(FashionBatcher)
+                .batch_size(per_replica)
+                .build(InMemDataset::new(synthetic_images(samples)))
+        }
+        _ => match DistributedSampler::new(samples, n).and_then(|sampler| {
+            let batcher = CostlyBatcher {
+                per_sample: loader.decode_per_sample,
+            };
+            DistributedDataLoader::new(items, batcher, sampler, per_replica, device)
+        }) {
+            Ok(distributed) => Arc::new(distributed.with_num_workers(loader.workers)),
+            Err(e) => return Err(e.to_string()),
+        },
+    })
+}
+
+/// A run's result from the step clock's `ticks` (time, samples so far), burn-ddp's report (when the strategy is
+/// burn-ddp's) and Adam's whole state in MiB: samples/s per timed window, the step split and the
+/// optimizer state per rank.
+fn summarise(
+    kind: ModelKind,
+    strategy: Strategy,
+    plan: &Plan,
+    ticks: &[(Instant, usize)],
+    report: Option<TrainingReport>,
+    whole_optimizer_state: Option<f64>,
+) -> Throughput {
+    let windows = windows(ticks, plan);
     let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
     let optimizer_state_mib = match strategy {
         Strategy::DdpThreadsSharded(_) | Strategy::DdpProcessesSharded(_) => report
