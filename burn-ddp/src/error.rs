@@ -162,6 +162,23 @@ pub enum DdpError {
         waited: Duration,
     },
 
+    /// A thread rank waited `waited` (the collectives' timeout) for its next batch of a pass over
+    /// a loader that the ranks of this process share (the validation loader, or a training
+    /// loader that is not a `DistributedDataLoader`, read as one device reads it and dealt to
+    /// each rank in turn): another rank of the pass stopped reading its own batches.
+    #[error(
+        "rank {rank} waited {} s for its next {loader} batch: the ranks of this process share one pass over that loader, and another rank stopped reading its batches (stuck or failed; its own error says why)",
+        waited.as_secs_f64()
+    )]
+    LoaderStalled {
+        /// The rank that waited.
+        rank: usize,
+        /// Which loader: `validation` or `training`.
+        loader: &'static str,
+        /// How long it waited.
+        waited: Duration,
+    },
+
     /// A rank's device failed to run the work queued on it (`Backend::sync` reported an
     /// execution error: a kernel that failed, a lost device).
     #[error("rank {rank}: the device failed while {operation}: {detail}")]
@@ -213,6 +230,7 @@ impl DdpError {
             | DdpError::NonFinite { rank, .. }
             | DdpError::WorkerPanicked { rank, .. }
             | DdpError::Unresponsive { rank, .. }
+            | DdpError::LoaderStalled { rank, .. }
             | DdpError::Bucket { rank, .. }
             | DdpError::Device { rank, .. } => Some(*rank),
             DdpError::InvalidConfig(_) | DdpError::Checkpoint { .. } => None,

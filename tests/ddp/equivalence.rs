@@ -1,13 +1,18 @@
 //! Data-parallel training must match single-device training: N replicas with per-replica batch
 //! B/N give the same parameters as one device with batch B (to f32 rounding).
 
+use std::sync::{Arc, Mutex};
+
+use burn::optim::lr_scheduler::LrScheduler;
 use burn::optim::lr_scheduler::exponential::ExponentialLrSchedulerConfig;
 use burn::optim::{AdamConfig, SgdConfig};
+use burn::tensor::backend::Backend;
+use burn::train::Interrupter;
 use burn_ddp::DdpConfig;
 use burn_ddp::config::UnevenInputs;
 use burn_ddp_tests::{
-    CountingScheduler, Mlp, Run, device, float_tensors, materialized, max_relative_difference,
-    run_training,
+    CountingScheduler, Mlp, Run, TrainKind, device, float_tensors, materialized,
+    max_relative_difference, over_tcp, run_training,
 };
 
 /// Tolerance of the issue: max relative difference 1e-5.
@@ -135,6 +140,122 @@ fn gradient_accumulation_syncs_once_per_optimizer_step() {
     for rank in &report.ranks {
         assert_eq!(rank.batches, 20);
         assert_eq!(rank.comm.steps, 10, "one gradient sync per optimizer step");
+    }
+}
+
+/// A constant learning rate whose scheduler asks burn-train to stop at its `at`-th step (each
+/// replica's clone counts its own, so every rank asks at the same batch, as plain Burn does).
+#[derive(Clone)]
+struct StopAt {
+    slot: Arc<Mutex<Option<Interrupter>>>,
+    at: usize,
+    taken: usize,
+}
+
+impl LrScheduler for StopAt {
+    type Record<B: Backend> = ();
+
+    fn step(&mut self) -> f64 {
+        self.taken += 1;
+        if self.taken == self.at
+            && let Some(interrupter) = self.slot.lock().unwrap().as_ref()
+        {
+            interrupter.stop(Some("the test stops here"));
+        }
+        0.1
+    }
+
+    fn to_record<B: Backend>(&self) -> Self::Record<B> {}
+
+    fn load_record<B: Backend>(self, _record: Self::Record<B>) -> Self {
+        self
+    }
+}
+
+#[test]
+fn an_interrupt_inside_an_accumulation_window_takes_as_many_optimizer_steps_as_plain_burn() {
+    // Micro-batches accumulated by 2. Plain Burn's loop checks the interrupter after every
+    // micro-batch and stops there: interrupted during micro-batch 3 (inside the second window) it
+    // has taken 1 optimizer step; during micro-batch 4 (the window's last) it steps, then stops.
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    for (at, steps) in [(3, 1), (4, 2), (5, 2)] {
+        let mut trained = Vec::new();
+        for replicas in [None, Some(2)] {
+            let mut run = Run::new(replicas, 32, 20 * 32);
+            run.grad_accumulation = Some(2);
+            let slot = Arc::new(Mutex::new(None));
+            run.interrupter = Some(slot.clone());
+            let scheduler = StopAt { slot, at, taken: 0 };
+            let (tensors, report) =
+                run_training(model.clone(), SgdConfig::new().init(), scheduler, &run).unwrap();
+            if let Some(report) = report {
+                assert_eq!(report.epochs.len(), 1, "interrupted at micro-batch {at}");
+                assert_eq!(
+                    report.epochs[0].steps, steps,
+                    "optimizer steps, interrupted at micro-batch {at}"
+                );
+            }
+            trained.push(tensors);
+        }
+        assert_trained_and_equal(&initial, &trained[0], &trained[1]);
+    }
+}
+
+#[test]
+fn an_interrupt_of_one_process_inside_an_accumulation_window_stops_every_process_before_the_step() {
+    // Processes have an interrupter each: here only rank 0's is called, during micro-batch 3
+    // (inside the second window of 2). Every rank stops without that window's step, as plain
+    // Burn interrupted at the same batch.
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    let train = |replicas: Option<usize>, group, at| {
+        let mut run = Run::new(replicas, 32, 20 * 32);
+        run.grad_accumulation = Some(2);
+        run.group = group;
+        let slot = Arc::new(Mutex::new(None));
+        run.interrupter = Some(slot.clone());
+        let scheduler = StopAt { slot, at, taken: 0 };
+        run_training(model.clone(), SgdConfig::new().init(), scheduler, &run).unwrap()
+    };
+    let (single, _) = train(None, None, 3);
+    let ranks = over_tcp(2, |rank, group| {
+        train(None, Some(group), if rank == 0 { 3 } else { usize::MAX })
+    });
+    for (rank, trained) in ranks.into_iter().enumerate() {
+        let (tensors, report) = trained.unwrap();
+        assert_trained_and_equal(&initial, &single, &tensors);
+        if rank == 0 {
+            // Rank 0 reports the epochs.
+            assert_eq!(report.unwrap().epochs[0].steps, 1, "optimizer steps");
+        }
+    }
+}
+
+#[test]
+fn a_burn_training_loader_trains_as_one_device_step_for_step() {
+    // Burn's own loader (`DataLoaderBuilder::new(batcher).batch_size(b).shuffle(seed)`, per
+    // replica), not a DistributedDataLoader: step k of N thread ranks is one device's batch k of
+    // N * b from the same loader, also when the last step is short or leaves a rank without a
+    // batch (100 samples in batches of 8 over 3 ranks: 13 batches, the last of 4 samples).
+    let model = materialized(Mlp::new(&device()));
+    let initial = float_tensors(&model);
+    for (replicas, global_batch, samples, epochs) in [(2, 32, 10 * 32, 2), (3, 24, 100, 2)] {
+        let mut run = Run::new(None, global_batch, samples);
+        run.train = TrainKind::Burn;
+        run.epochs = epochs;
+        let (single, _) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+        run.replicas = Some(replicas);
+        let (ddp, report) =
+            run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+        assert_trained_and_equal(&initial, &single, &ddp);
+        let steps = samples.div_ceil(global_batch) as u64;
+        let trained: Vec<u64> = report.unwrap().epochs.iter().map(|e| e.steps).collect();
+        assert_eq!(
+            trained,
+            vec![steps; epochs],
+            "{replicas} ranks: optimizer steps per epoch"
+        );
     }
 }
 

@@ -20,7 +20,7 @@ use burn_ddp::{
 };
 use burn_ddp_tests::{
     Batch, DeeperMlp, Hooked, ItemBatcher, Mlp, Run, SilentRenderer, StepKind, TestBackend, device,
-    materialized, run_training, synthetic_dataset,
+    materialized, over_tcp, run_training, synthetic_dataset,
 };
 
 #[test]
@@ -213,34 +213,49 @@ impl DataLoader<TestBackend, Batch<TestBackend>> for UnevenLoader {
     }
 }
 
+/// A training over [`UnevenLoader`] in `dir`, for a process of a multi-process job (between
+/// processes a loader burn-ddp did not build is sliced: one device's batches cannot reach the
+/// other processes in one order; thread ranks read it as one device does and cannot be uneven).
+/// A macro: the training's components type is Burn's to name.
+macro_rules! uneven_training {
+    ($dir:expr) => {
+        SupervisedTraining::new(
+            std::env::temp_dir().join($dir),
+            Arc::new(UnevenLoader { batches: 3 }),
+            valid_loader(),
+        )
+        .renderer(SilentRenderer)
+        .with_metric_logger(InMemoryMetricLogger::new())
+        .with_application_logger(None)
+    };
+}
+
 #[test]
 fn uneven_batches_are_an_error_naming_the_ranks_not_a_hang() {
     let model = materialized(Mlp::<TestBackend>::new(&device()));
-    let learner = Learner::new(model, SgdConfig::new().init(), 0.05);
-    let training = SupervisedTraining::new(
-        std::env::temp_dir().join("burn-ddp-tests-uneven"),
-        Arc::new(UnevenLoader { batches: 3 }),
-        valid_loader(),
-    )
-    .renderer(SilentRenderer)
-    .with_metric_logger(InMemoryMetricLogger::new())
-    .with_application_logger(None);
-    let strategy = DdpStrategy::new(vec![device(); 2]);
-    let Err(err) = training.launch_ddp(learner, strategy) else {
-        panic!("uneven data must fail");
-    };
-    match err {
-        DdpError::UnevenData {
-            step,
-            exhausted,
-            remaining,
-            ..
-        } => {
-            assert_eq!(step, 2, "ranks agree for steps 0 and 1");
-            assert_eq!(exhausted, vec![1]);
-            assert_eq!(remaining, vec![0]);
+    let results = over_tcp(2, |rank, group| {
+        let learner = Learner::new(model.clone(), SgdConfig::new().init(), 0.05);
+        let training = uneven_training!(format!("burn-ddp-tests-uneven-{rank}"));
+        let strategy = DdpStrategy::with_process_group(device(), group);
+        training.launch_ddp(learner, strategy).map(|_| ())
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        match result.and_then(|trained| trained) {
+            Err(DdpError::UnevenData {
+                rank: named,
+                step,
+                exhausted,
+                remaining,
+                ..
+            }) => {
+                assert_eq!(named, rank);
+                assert_eq!(step, 2, "ranks agree for steps 0 and 1");
+                assert_eq!(exhausted, vec![1]);
+                assert_eq!(remaining, vec![0]);
+            }
+            Err(other) => panic!("rank {rank}: expected UnevenData, got {other}"),
+            Ok(()) => panic!("rank {rank}: uneven data must fail"),
         }
-        other => panic!("expected UnevenData, got {other}"),
     }
 }
 
@@ -267,28 +282,26 @@ fn no_devices_and_bad_configuration_are_errors() {
 fn plain_launch_panics_with_the_error_message() {
     // burn-train's `launch` has no Result: the failure surfaces as a panic carrying the error.
     let model = materialized(Mlp::<TestBackend>::new(&device()));
-    let learner = Learner::new(model, SgdConfig::new().init(), 0.05);
-    let training = SupervisedTraining::new(
-        std::env::temp_dir().join("burn-ddp-tests-plain-launch"),
-        Arc::new(UnevenLoader { batches: 3 }),
-        valid_loader(),
-    )
-    .renderer(SilentRenderer)
-    .with_metric_logger(InMemoryMetricLogger::new())
-    .with_application_logger(None)
-    .with_training_strategy(DdpStrategy::new(vec![device(); 2]).into());
-    let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        training.launch(learner);
-    }))
-    .expect_err("uneven data must fail");
-    let message = payload
-        .downcast_ref::<String>()
-        .cloned()
-        .unwrap_or_default();
-    assert!(
-        message.starts_with("burn-ddp: training failed: uneven data"),
-        "{message}"
-    );
+    let messages = over_tcp(2, |rank, group| {
+        let learner = Learner::new(model.clone(), SgdConfig::new().init(), 0.05);
+        let training = uneven_training!(format!("burn-ddp-tests-plain-launch-{rank}"))
+            .with_training_strategy(DdpStrategy::with_process_group(device(), group).into());
+        let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            training.launch(learner);
+        }))
+        .expect_err("uneven data must fail");
+        payload
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default()
+    });
+    for message in messages {
+        let message = message.unwrap();
+        assert!(
+            message.starts_with("burn-ddp: training failed: uneven data"),
+            "{message}"
+        );
+    }
 }
 
 fn valid_loader() -> Arc<dyn DataLoader<TestInner, Batch<TestInner>>> {

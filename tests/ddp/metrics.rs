@@ -7,9 +7,10 @@ use std::sync::Mutex;
 
 use burn::optim::SgdConfig;
 
+use burn_ddp::config::Validation;
 use burn_ddp_tests::{
-    Hooked, Mlp, Recording, Run, SplitSeen, StepKind, TestBackend, device, materialized, over_tcp,
-    run_training,
+    Hooked, Mlp, Recording, Run, SplitSeen, StepKind, TestBackend, TrainKind, ValidKind, device,
+    materialized, over_tcp, run_training,
 };
 
 /// Validation batches per thread name (rank threads are named `burn-ddp-rank-R`).
@@ -75,6 +76,136 @@ fn seen(
     run.recording = Some(recording.clone());
     run_training(model, SgdConfig::new().init(), lr, &run).unwrap();
     recording.seen()
+}
+
+/// An item's metrics: name, value, count.
+type Metrics = Vec<(String, f64, usize)>;
+
+/// Every validation item's epoch and metrics, in the order rank 0 reported them.
+fn valid_items(valid: &SplitSeen) -> Vec<(usize, Metrics)> {
+    valid
+        .items
+        .iter()
+        .map(|item| (item.epoch, item.metrics.clone()))
+        .collect()
+}
+
+#[test]
+fn validation_with_burns_shuffled_loader_gives_one_devices_items_in_every_mode() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // The issue's loader: `DataLoaderBuilder::new(batcher).batch_size(4).shuffle(seed)`, 10
+    // items (a short last batch), learning rate 0 so that only validation differs; two epochs,
+    // each a new order of the loader's generator.
+    let model = materialized(counting());
+    let mut run = Run::new(None, 12, 24);
+    run.epochs = 2;
+    run.valid = ValidKind::BurnShuffled;
+    run.valid_samples = Some(10);
+    run.valid_batch = 4;
+    // Precision, recall and F1 too: they depend on which items meet in a batch.
+    run.all_metrics = true;
+    let (_, single) = seen(&model, 0, false, run.clone(), 0.0);
+    let expected = valid_items(&single);
+    assert_eq!(expected.len(), 6, "3 batches per epoch, 2 epochs");
+    // The loader does shuffle, and differently each epoch: otherwise this test proves nothing.
+    let losses = |epoch| -> Vec<f64> {
+        expected
+            .iter()
+            .filter(|(e, _)| *e == epoch)
+            .flat_map(|(_, m)| m.iter().filter(|(n, ..)| n == "Loss").map(|(_, v, _)| *v))
+            .collect()
+    };
+    assert_ne!(
+        losses(1),
+        losses(2),
+        "one device's two epochs validate other batches"
+    );
+    // Sharded on thread ranks; between processes a Burn loader is validated on rank 0 alone
+    // (its order may differ between processes), which must be one device's validation too.
+    for (ranks, tcp, validation) in [
+        (2, false, Validation::Sharded),
+        (3, false, Validation::Sharded),
+        (2, true, Validation::Sharded),
+        (3, true, Validation::Sharded),
+        (2, false, Validation::Rank0),
+        (2, true, Validation::Rank0),
+    ] {
+        let mut run = run.clone();
+        run.config = run.config.clone().with_validation(validation);
+        let (_, valid) = seen(&model, ranks, tcp, run, 0.0);
+        let got = valid_items(&valid);
+        assert_eq!(
+            got.len(),
+            expected.len(),
+            "{ranks} ranks (tcp: {tcp}, {validation:?})"
+        );
+        for (at, ((epoch, got), (_, want))) in got.iter().zip(&expected).enumerate() {
+            let same = got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(want)
+                    .all(|(g, w)| g.0 == w.0 && g.2 == w.2 && close(g.1, w.1, 1e-6));
+            assert!(
+                same,
+                "{ranks} ranks (tcp: {tcp}, {validation:?}): validation item {at} of epoch \
+                 {epoch} is {got:?}, one device's {want:?}"
+            );
+        }
+    }
+}
+
+/// A training item's progress (items processed, items in all) and loss.
+type TrainItem = (Option<(usize, usize)>, Vec<f64>);
+
+/// Every training item's progress and loss, in the order rank 0 reported them.
+fn train_items(train: &SplitSeen) -> Vec<TrainItem> {
+    train
+        .items
+        .iter()
+        .map(|item| {
+            let losses = item
+                .metrics
+                .iter()
+                .filter(|(name, ..)| name == "Loss")
+                .map(|(_, value, _)| *value)
+                .collect();
+            (item.progress, losses)
+        })
+        .collect()
+}
+
+#[test]
+fn training_with_a_burn_loader_reports_one_devices_items_and_progress() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // Burn's shuffled loader of the per-replica batch, 100 items: one device trains batches of
+    // 24 (the last of 4), N thread ranks batches of 24 / N dealt in turn; burn-train must see
+    // the same items with the same progress (items processed of 100) and losses.
+    let model = materialized(counting());
+    let mut run = Run::new(None, 24, 100);
+    run.epochs = 2;
+    run.train = TrainKind::Burn;
+    let (single, _) = seen(&model, 0, false, run.clone(), 0.05);
+    let expected = train_items(&single);
+    assert_eq!(expected.len(), 10, "5 steps per epoch, 2 epochs");
+    assert_eq!(expected[4].0, Some((100, 100)), "the epoch's last step");
+    for ranks in [2, 3] {
+        let (train, _) = seen(&model, ranks, false, run.clone(), 0.05);
+        let got = train_items(&train);
+        assert_eq!(got.len(), expected.len(), "{ranks} ranks");
+        for (at, ((progress, loss), (want_progress, want_loss))) in
+            got.iter().zip(&expected).enumerate()
+        {
+            assert_eq!(
+                progress, want_progress,
+                "{ranks} ranks: item {at}'s progress"
+            );
+            assert!(
+                loss.len() == want_loss.len()
+                    && loss.iter().zip(want_loss).all(|(g, w)| close(*g, *w, 1e-4)),
+                "{ranks} ranks: item {at}'s loss {loss:?}, one device's {want_loss:?}"
+            );
+        }
+    }
 }
 
 fn close(a: f64, b: f64, tolerance: f64) -> bool {

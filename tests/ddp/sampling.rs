@@ -139,39 +139,56 @@ fn the_strategy_takes_every_rank_through_every_step_with_or_without_a_sample() {
 }
 
 #[test]
-fn a_plain_burn_loader_is_split_into_equal_shards() {
-    // Burn's own loader with 11 items and batch 5: the strategy drops the odd item so both
-    // ranks get 5 items, one batch each, instead of 5 and 6 (one rank waiting for a batch).
+fn a_plain_burn_loader_is_dealt_to_thread_ranks_and_sliced_into_equal_shards_between_processes() {
+    // Burn's own loader with 11 items and batch 5. Thread ranks read it as one device does
+    // (batches of 5, 5 and 1) and take its batches in turn: nothing is dropped, rank 1 has no
+    // batch in the last step. Processes each take an equal contiguous slice of 5 items (one
+    // batch each; the odd item is dropped so that no rank waits for a batch).
     use burn::train::logger::InMemoryMetricLogger;
     use burn::train::{Learner, SupervisedTraining};
     use burn_ddp::{DdpStrategy, DdpTraining};
-    use burn_ddp_tests::{ItemBatcher, SilentRenderer, synthetic_dataset};
+    use burn_ddp_tests::{ItemBatcher, SilentRenderer, over_tcp, synthetic_dataset};
 
     let items: Vec<Item> = synthetic_dataset(11, 4);
-    let train = DataLoaderBuilder::new(ItemBatcher)
-        .batch_size(5)
-        .shuffle(3)
-        .build(InMemDataset::new(items.clone()));
-    let valid = DataLoaderBuilder::new(ItemBatcher)
-        .batch_size(5)
-        .build(InMemDataset::new(items));
     let model = materialized(Mlp::new(&device()));
-    let learner = Learner::new(model, SgdConfig::new().init(), 0.05);
-    let strategy = DdpStrategy::new(vec![device(); 2]);
-    let handle = strategy.clone();
-    SupervisedTraining::new(
-        std::env::temp_dir().join("burn-ddp-tests-plain"),
-        train,
-        valid,
+    let train = |strategy: DdpStrategy<_>, dir: &str| {
+        let loader = DataLoaderBuilder::new(ItemBatcher)
+            .batch_size(5)
+            .shuffle(3)
+            .build(InMemDataset::new(items.clone()));
+        let valid = DataLoaderBuilder::new(ItemBatcher)
+            .batch_size(5)
+            .build(InMemDataset::new(items.clone()));
+        let learner = Learner::new(model.clone(), SgdConfig::new().init(), 0.05);
+        let handle = strategy.clone();
+        SupervisedTraining::new(std::env::temp_dir().join(dir), loader, valid)
+            .renderer(SilentRenderer)
+            .with_metric_logger(InMemoryMetricLogger::new())
+            .with_application_logger(None)
+            .launch_ddp(learner, strategy)
+            .map(|_| handle.report())
+    };
+    let report = train(
+        DdpStrategy::new(vec![device(); 2]),
+        "burn-ddp-tests-plain-dealt",
     )
-    .renderer(SilentRenderer)
-    .with_metric_logger(InMemoryMetricLogger::new())
-    .with_application_logger(None)
-    .launch_ddp(learner, strategy)
     .unwrap();
-    let report = handle.report();
-    assert_eq!(report.ranks[0].batches, 1);
+    assert_eq!(report.epochs[0].steps, 2);
+    assert_eq!(report.epochs[0].samples, 11, "every item trained");
+    assert_eq!(report.ranks[0].batches, 2);
     assert_eq!(report.ranks[1].batches, 1);
+    assert_eq!(report.ranks[1].comm.steps, 2, "rank 1 takes part in both");
+    let reports = over_tcp(2, |rank, group| {
+        train(
+            DdpStrategy::with_process_group(device(), group),
+            &format!("burn-ddp-tests-plain-sliced-{rank}"),
+        )
+    });
+    let report = reports.into_iter().next().unwrap().unwrap().unwrap();
+    assert_eq!(report.epochs[0].steps, 1);
+    assert_eq!(report.epochs[0].samples, 10, "the odd item is dropped");
+    assert_eq!(report.ranks.len(), 2);
+    assert!(report.ranks.iter().all(|r| r.batches == 1));
 }
 
 /// Every batch of every rank's shard over `epochs` epochs, in order.
@@ -456,6 +473,27 @@ fn a_loader_built_for_another_world_size_or_padding_validation_is_refused() {
             assert!(message.contains("count 1 item(s) twice"), "{message}");
         }
         other => panic!("expected the padded-validation refusal, got {other:?}"),
+    }
+    // One rank's shard (`with_rank`) would be validated as the whole set.
+    let one_rank_valid = Arc::new(
+        DistributedDataLoader::new(
+            Arc::new(InMemDataset::new(odd.clone())),
+            ItemBatcher,
+            DistributedSampler::new(21, 2)
+                .unwrap()
+                .with_uneven_shards()
+                .with_rank(1)
+                .unwrap(),
+            8,
+            Default::default(),
+        )
+        .unwrap(),
+    );
+    match launch(train2.clone(), one_rank_valid) {
+        Err(DdpError::InvalidConfig(message)) => {
+            assert!(message.contains("rank 1's shard only"), "{message}");
+        }
+        other => panic!("expected the one-rank validation refusal, got {other:?}"),
     }
     // The same items with uneven shards (each once) are accepted.
     let uneven_valid = Arc::new(

@@ -35,6 +35,9 @@ pub struct SeenItem {
     pub epoch: usize,
     /// The item's iteration number.
     pub iteration: Option<usize>,
+    /// The epoch's progress after the item (items processed, items in all), as burn-train
+    /// renders it.
+    pub progress: Option<(usize, usize)>,
     /// Metric name, the item's value, its count, in the order burn-train sent them.
     pub metrics: Vec<(String, f64, usize)>,
 }
@@ -85,6 +88,10 @@ impl SplitSeen {
         self.items.push(SeenItem {
             epoch: item.global_progress.items_processed,
             iteration: item.iteration,
+            progress: item
+                .progress
+                .as_ref()
+                .map(|p| (p.items_processed, p.items_total)),
             metrics: std::mem::take(&mut self.pending),
         });
     }

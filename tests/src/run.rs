@@ -39,7 +39,25 @@ pub enum ValidKind {
     Shuffled,
     /// Burn's own `DataLoaderBuilder` loader (what the README tells a Burn user to keep).
     Plain,
+    /// Burn's own loader built as Burn's guide builds its test loader, shuffled
+    /// (`DataLoaderBuilder::new(batcher).batch_size(b).shuffle(VALID_SEED)`): one device draws a
+    /// new order every epoch from the copy it makes.
+    BurnShuffled,
 }
+
+/// The training loader of a [`Run`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainKind {
+    /// A `DistributedDataLoader` built for the run's world size (one device: Burn's loader over
+    /// the sampler's order).
+    Distributed,
+    /// Burn's own `DataLoaderBuilder` loader, shuffled by `Run::seed` when `Run::shuffle`, of the
+    /// per-replica batch (one device: the global batch), as a Burn program builds it.
+    Burn,
+}
+
+/// The seed of [`ValidKind::BurnShuffled`] loaders.
+pub const VALID_SEED: u64 = 42;
 
 /// How to train in [`run_training`].
 #[derive(Clone)]
@@ -95,6 +113,8 @@ pub struct Run {
     pub shuffle: bool,
     /// The validation loader's kind (default: a `DistributedDataLoader`).
     pub valid: ValidKind,
+    /// The training loader's kind (default: a `DistributedDataLoader`).
+    pub train: TrainKind,
     /// Early stopping on the validation loss (epoch mean; no improvement since 1 epoch).
     pub early_stopping: bool,
     /// With a recording: top-2 accuracy, precision, recall and F1 besides accuracy and loss.
@@ -128,6 +148,7 @@ impl Run {
             padded: false,
             shuffle: true,
             valid: ValidKind::Distributed,
+            train: TrainKind::Distributed,
             early_stopping: false,
             all_metrics: false,
         }
@@ -219,32 +240,53 @@ where
     // A resumed run continues from burn-train's epoch `resume_after + 1`: sampler epoch
     // `resume_after`.
     let first_epoch = run.resume_after.unwrap_or(0) as u64;
-    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> = if one_device {
-        // The reference: Burn's own loader over the sampler's order, nothing of burn-ddp's.
-        burn::data::dataloader::DataLoaderBuilder::new(batcher.clone())
-            .batch_size(run.global_batch)
-            .build(crate::data::Permuted::new(
-                train,
-                run.seed,
-                run.shuffle,
-                first_epoch,
-            ))
-    } else {
-        Arc::new(
-            DistributedDataLoader::new(
-                Arc::new(InMemDataset::new(train)),
-                batcher.clone(),
-                sampler,
-                run.global_batch / world_size,
-                device(),
-            )?
-            .with_num_workers(run.loader_workers),
-            // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows
-            // burn-train's epoch, which `checkpoint(epoch)` sets.
-        )
-    };
+    let train_loader: Arc<dyn DataLoader<TestBackend, <M as TrainStep>::Input>> =
+        if run.train == TrainKind::Burn {
+            // The same loader on both sides, but for its batch: the ranks' together is one device's.
+            let batch = if one_device {
+                run.global_batch
+            } else {
+                run.global_batch / world_size
+            };
+            let builder =
+                burn::data::dataloader::DataLoaderBuilder::new(batcher.clone()).batch_size(batch);
+            let builder = if run.shuffle {
+                builder.shuffle(run.seed)
+            } else {
+                builder
+            };
+            builder.build(InMemDataset::new(train))
+        } else if one_device {
+            // The reference: Burn's own loader over the sampler's order, nothing of burn-ddp's.
+            burn::data::dataloader::DataLoaderBuilder::new(batcher.clone())
+                .batch_size(run.global_batch)
+                .build(crate::data::Permuted::new(
+                    train,
+                    run.seed,
+                    run.shuffle,
+                    first_epoch,
+                ))
+        } else {
+            Arc::new(
+                DistributedDataLoader::new(
+                    Arc::new(InMemDataset::new(train)),
+                    batcher.clone(),
+                    sampler,
+                    run.global_batch / world_size,
+                    device(),
+                )?
+                .with_num_workers(run.loader_workers),
+                // No `with_epoch` for resumed runs: under `DdpStrategy` the loader follows
+                // burn-train's epoch, which `checkpoint(epoch)` sets.
+            )
+        };
     let valid_loader: Arc<dyn DataLoader<TestInner, <M::InnerModule as InferenceStep>::Input>> =
         match run.valid {
+            // The same Burn loader on both sides: one device's order is the one to match.
+            ValidKind::BurnShuffled => burn::data::dataloader::DataLoaderBuilder::new(batcher)
+                .batch_size(run.valid_batch)
+                .shuffle(VALID_SEED)
+                .build(InMemDataset::new(valid)),
             // The reference: Burn's own loader (a world-size-1 sampler's order: seed 0).
             _ if one_device => burn::data::dataloader::DataLoaderBuilder::new(batcher)
                 .batch_size(run.valid_batch)

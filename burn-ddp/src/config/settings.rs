@@ -6,7 +6,9 @@
 pub enum NonFinite {
     /// Skip the optimizer step on every rank and count it in
     /// [`RankReport::skipped_steps`](crate::metrics::RankReport::skipped_steps), as mixed-precision
-    /// loss scalers do. The default.
+    /// loss scalers do. The learning-rate scheduler has stepped for the skipped step's batches
+    /// (burn-train steps it before each forward pass): its learning rate is spent, as with
+    /// PyTorch's `GradScaler`. The default.
     #[default]
     SkipStep,
     /// Stop training with [`DdpError::NonFinite`](crate::DdpError::NonFinite) naming the step and the ranks whose own
@@ -34,12 +36,16 @@ pub enum BufferSync {
 /// Where validation runs at the end of every epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Validation {
-    /// Every rank validates a contiguous run of the validation loader's whole batches and rank 0
-    /// reports each batch as its own item, in the loader's order, so every metric equals
-    /// single-device validation on the whole set. The default. Between processes it needs an
-    /// output type burn-ddp can send ([`DistributedOutput`](crate::outputs::DistributedOutput):
-    /// burn-train's classification, multi-label and regression outputs); for any other,
-    /// validation falls back to `Rank0` with a warning.
+    /// Every process reads the validation loader as one device does (one copy, one pass per
+    /// epoch), rank `r` validates the pass's batches `r, r + N, ...`, and rank 0 reports each
+    /// batch as its own item, in the pass's order, so every metric equals single-device
+    /// validation on the whole set, also with Burn's shuffled loaders. The default. Where one
+    /// device's batches cannot reach every rank, rank 0 validates alone, with a warning at
+    /// start-up: thread replicas on several devices or on wgpu and CUDA; between processes, a
+    /// validation loader other than a [`DistributedDataLoader`](crate::DistributedDataLoader)
+    /// (its order may differ between processes), or an output type burn-ddp cannot send (not a
+    /// [`DistributedOutput`](crate::outputs::DistributedOutput): burn-train's classification,
+    /// multi-label and regression outputs are).
     #[default]
     Sharded,
     /// Rank 0 validates the whole set while the other ranks wait, as single-device training

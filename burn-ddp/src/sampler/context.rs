@@ -3,6 +3,7 @@
 //! which a loader refuses a job it was not built for ([`check_loader`]).
 
 use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::data::dataloader::DataLoader;
 use burn::tensor::backend::Backend;
@@ -29,6 +30,11 @@ pub(crate) fn enter_epoch(epoch: u64) -> EpochGuard {
 pub(crate) struct EpochGuard {
     previous: Option<u64>,
     _not_send: std::marker::PhantomData<*const ()>,
+}
+
+/// The sampler epoch the strategy entered on this thread ([`enter_epoch`]), if any.
+pub(crate) fn epoch_on_this_thread() -> Option<u64> {
+    EPOCH.with(Cell::get)
 }
 
 impl Drop for EpochGuard {
@@ -65,7 +71,14 @@ pub(crate) struct Drawn {
     pub world_size: u64,
     /// The iteration that drew it (cleared when that iteration ends).
     pub iteration: u64,
+    /// Ranks without a batch in the epoch's last step (a loader whose batches are dealt to the
+    /// ranks: the last step has fewer batches than ranks); 0 for a `DistributedDataLoader`,
+    /// whose ranks without a sample are those past `last_step_samples`.
+    pub last_step_without_batch: u64,
 }
+
+/// Iterations numbered so far (every counted iteration of any loader on any thread).
+static ITERATIONS: AtomicU64 = AtomicU64::new(1);
 
 impl Drawn {
     /// The factor of this rank's gradients in an average over the ranks (`ReduceOp::Avg`) that
@@ -88,7 +101,17 @@ impl Drawn {
     /// Whether some step of the epoch leaves a rank without a sample (the last step has fewer
     /// samples than ranks).
     pub fn leaves_a_rank_without_samples(&self) -> bool {
-        self.last_step_samples < self.world_size
+        self.last_step_samples < self.world_size || self.last_step_without_batch > 0
+    }
+
+    /// A new iteration's number, never handed out before in this process.
+    pub fn next_iteration() -> u64 {
+        ITERATIONS.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Records `drawn` as what this thread's loader drew (`None`: nothing counts any more).
+    pub fn set_on_this_thread(drawn: Option<Drawn>) {
+        DRAWN.with(|d| d.set(drawn));
     }
 
     /// This rank takes part in a step without a sample of its own: the step is drawn.
@@ -139,8 +162,10 @@ thread_local! {
     pub(super) static SLICING: RefCell<Option<(Purpose, Answer)>> = const { RefCell::new(None) };
 }
 
-/// Announces `purpose` and slices `loader` whole (`slice(0, num_items)`, which a
-/// [`DistributedDataLoader`](super::DistributedDataLoader) answers by checking that it fits; other loaders ignore it).
+/// Announces `purpose` and asks `loader` for its item count, which a
+/// [`DistributedDataLoader`](super::DistributedDataLoader) answers by checking that it fits;
+/// other loaders only count (nothing else is called on them: a Burn loader's `slice` and
+/// `to_device` advance its shuffling generator, which would change the order one device draws).
 /// Returns the fingerprint of a `DistributedDataLoader`'s sampler and batch size (0 for any other
 /// loader), which the ranks of a multi-process job compare.
 ///
@@ -152,7 +177,7 @@ pub(crate) fn check_loader<B: Backend, O>(
     purpose: Purpose,
 ) -> Result<u64> {
     SLICING.with(|s| *s.borrow_mut() = Some((purpose, Answer::default())));
-    let _ = loader.slice(0, loader.num_items());
+    let _ = loader.num_items();
     let answer = SLICING
         .with(|s| s.borrow_mut().take())
         .map(|(_, answer)| answer)

@@ -183,7 +183,6 @@ where
     /// first batch; `None` for a loader of every rank's shard read whole by one rank of several
     /// (its batches are no rank's steps).
     fn counted(&self, epoch: u64) -> Option<Drawn> {
-        static ITERATIONS: AtomicU64 = AtomicU64::new(1);
         let sampler = &self.sampler;
         let whole = self.positions == (0..sampler.total_size());
         if whole && sampler.world_size() > 1 {
@@ -198,7 +197,7 @@ where
             last_step_samples: sampler.global_step_samples(self.batch_size, steps.saturating_sub(1))
                 as u64,
             full_step_samples: (self.batch_size * sampler.world_size()) as u64,
-            iteration: ITERATIONS.fetch_add(1, Ordering::Relaxed),
+            iteration: Drawn::next_iteration(),
             world_size: sampler.world_size() as u64,
             ..Drawn::default()
         })
@@ -253,6 +252,13 @@ where
                 ))
             }
             Purpose::Training { .. } => None,
+            Purpose::Validation if sampler.rank().is_some() => Some(format!(
+                "the validation DistributedDataLoader presents rank {}'s shard only \
+                 (DistributedSampler::with_rank): validation would cover that shard as if it \
+                 were the whole set; DdpStrategy shares validation out itself: build its \
+                 sampler without with_rank",
+                sampler.rank().unwrap_or_default()
+            )),
             Purpose::Validation if sampler.total_size() > sampler.dataset_len() => Some(format!(
                 "the validation loader is a DistributedDataLoader whose sampler pads {} items to \
                  {} for {} ranks: validation would count {} item(s) twice; give \
@@ -327,7 +333,10 @@ where
         })
     }
 
+    /// Items of this loader's positions; when `DdpStrategy` checks the loader at start-up, also
+    /// its answer to the strategy (a refusal, its sampler's fingerprint).
     fn num_items(&self) -> usize {
+        self.answer_check();
         self.positions.len()
     }
 
@@ -336,6 +345,21 @@ where
     }
 
     fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<B, O>> {
+        let begin = (self.positions.start + start).min(self.positions.end);
+        let end = (self.positions.start + end).clamp(begin, self.positions.end);
+        Arc::new(self.derive(begin..end, self.device.clone()))
+    }
+}
+
+impl<B, I, O> DistributedDataLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + Clone + 'static,
+    O: Send + 'static,
+{
+    /// Answers the strategy's `check_loader`, when it asks on this thread: why this loader cannot serve the purpose announced, and its sampler's and batch
+    /// size's fingerprint.
+    fn answer_check(&self) {
         SLICING.with(|s| {
             if let Some((purpose, answer)) = s.borrow_mut().as_mut() {
                 if answer.refusal.is_none() {
@@ -355,8 +379,5 @@ where
                 ));
             }
         });
-        let begin = (self.positions.start + start).min(self.positions.end);
-        let end = (self.positions.start + end).clamp(begin, self.positions.end);
-        Arc::new(self.derive(begin..end, self.device.clone()))
     }
 }

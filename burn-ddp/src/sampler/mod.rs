@@ -7,7 +7,9 @@ mod context;
 mod loader;
 mod prefetch;
 
-pub(crate) use context::{Drawn, Purpose, check_loader, drawn_on_this_thread, enter_epoch};
+pub(crate) use context::{
+    Drawn, Purpose, check_loader, drawn_on_this_thread, enter_epoch, epoch_on_this_thread,
+};
 pub use loader::DistributedDataLoader;
 
 use std::ops::Range;

@@ -15,6 +15,8 @@
 //! starts from.
 
 mod checkpointing;
+mod dealer;
+mod dealt_loader;
 mod device_group;
 mod epoch;
 mod events;
@@ -26,6 +28,7 @@ mod rank;
 mod resume;
 mod run;
 mod sharded;
+mod shards;
 mod startup;
 mod step_checkpoints;
 mod validation;

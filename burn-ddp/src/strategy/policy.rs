@@ -51,12 +51,13 @@ impl Agreement {
     }
 }
 
-/// A rank's request to stop training, carried by the step's gradient reduction (three words of
+/// A rank's request to stop training, carried by the step's gradient reduction (four words of
 /// the reducer's first bucket, [`ReduceOptions::words`]) so that no separate collective is needed
 /// to agree on it: every rank learns in that step whether any rank asked.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct StopVote {
-    /// burn-train's `Interrupter` asked to stop (a user's or a callback's stop).
+    /// burn-train's `Interrupter` asked to stop (a user's or a callback's stop), seen first after
+    /// the step's last micro-batch: the step is taken, then training stops.
     pub interrupt: bool,
     /// A stop signal (SIGTERM, SIGINT, SIGHUP) arrived: stop and write a step checkpoint.
     pub signal: bool,
@@ -64,15 +65,40 @@ pub(super) struct StopVote {
     /// collectives as every other rank, so even a group that cannot tell calls apart, NCCL,
     /// learns it), and the ranks compare their batch counts.
     pub out_of_data: bool,
+    /// burn-train's `Interrupter` asked to stop, seen after a micro-batch of this accumulation
+    /// window that was not its last: burn-train's own loop stops right after that micro-batch,
+    /// without the window's optimizer step ([`skips_window_step`]).
+    ///
+    /// [`skips_window_step`]: Self::skips_window_step
+    pub interrupted_inside: bool,
 }
 
 impl StopVote {
     /// This rank's vote as reduction words (1.0 for yes).
     pub fn words(&self) -> Vec<f32> {
-        [self.interrupt, self.signal, self.out_of_data]
-            .into_iter()
-            .map(|v| f32::from(u8::from(v)))
-            .collect()
+        [
+            self.interrupt,
+            self.signal,
+            self.out_of_data,
+            self.interrupted_inside,
+        ]
+        .into_iter()
+        .map(|v| f32::from(u8::from(v)))
+        .collect()
+    }
+
+    /// Whether the step's optimizer update is left out: some rank saw the interrupt inside the
+    /// accumulation window and none first after its last micro-batch (plain Burn interrupted at
+    /// that micro-batch never reaches the step). Thread ranks share one `Interrupter`, and a
+    /// rank behind the others sees a stop raised during the window's last micro-batch before
+    /// its own last one: the rank furthest on decides, where the window had ended.
+    pub fn skips_window_step(&self) -> bool {
+        self.interrupted_inside && !self.interrupt
+    }
+
+    /// Whether some rank asked to stop, inside the window or after its last micro-batch.
+    pub fn interrupted(&self) -> bool {
+        self.interrupt || self.interrupted_inside
     }
 
     /// Every rank's votes from the reduced words: a word is positive when any rank voted.
@@ -82,6 +108,7 @@ impl StopVote {
             interrupt: yes(0),
             signal: yes(1),
             out_of_data: yes(2),
+            interrupted_inside: yes(3),
         }
     }
 }
@@ -118,7 +145,10 @@ pub(super) fn end_of_data(words: &[u64], rank: usize, epoch: usize, step: usize)
 /// What to do with a step whose reduced gradients are not finite.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum OnNonFinite {
-    /// Skip the optimizer step (and the LR scheduler step) on every rank.
+    /// Skip the optimizer step on every rank. The learning-rate scheduler has already stepped
+    /// for the step's batches (burn-train steps it before each forward pass), so the skipped
+    /// step's learning rate is spent, as with PyTorch's `GradScaler` skipping `optimizer.step()`
+    /// after `scheduler.step()`.
     Skip,
     /// Stop training with [`DdpError::NonFinite`].
     Fail,
@@ -241,6 +271,42 @@ mod tests {
         assert!(a.interrupted);
         assert_eq!(a.signalled, vec![(1, 15)]);
         assert_eq!(a.total(), 8);
+    }
+
+    #[test]
+    fn an_interrupt_inside_a_window_skips_its_step_unless_a_rank_saw_the_window_end() {
+        // Rank 0 saw the interrupt after its window's last micro-batch, rank 1 (behind it) inside
+        // the window: rank 0's window had ended, so the step is taken, then training stops.
+        let after = StopVote {
+            interrupt: true,
+            ..StopVote::default()
+        };
+        let inside = StopVote {
+            interrupted_inside: true,
+            ..StopVote::default()
+        };
+        let summed: Vec<f32> = after
+            .words()
+            .iter()
+            .zip(inside.words())
+            .map(|(a, b)| a + b)
+            .collect();
+        let votes = StopVote::from_reduced(&summed);
+        assert!(!votes.skips_window_step() && votes.interrupted() && !votes.signal);
+        // Inside the window only (on one rank, the others not interrupted): no step.
+        let none = StopVote::default().words();
+        let summed: Vec<f32> = inside
+            .words()
+            .iter()
+            .zip(&none)
+            .map(|(a, b)| a + b)
+            .collect();
+        let votes = StopVote::from_reduced(&summed);
+        assert!(votes.skips_window_step() && votes.interrupted());
+        let votes = StopVote::from_reduced(&after.words());
+        assert!(!votes.skips_window_step() && votes.interrupted());
+        assert!(!StopVote::from_reduced(&StopVote::default().words()).interrupted());
+        assert_eq!(StopVote::from_reduced(&inside.words()), inside);
     }
 
     #[test]

@@ -21,6 +21,9 @@ use burn_ddp_comm::group::ProcessGroup;
 
 /// The backend of validation (the training backend without autodiff).
 pub(super) type InnerBackend<LC> = <TrainingBackend<LC> as AutodiffBackend>::InnerBackend;
+/// The input of a validation step.
+pub(super) type ValidInput<LC> =
+    <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Input;
 /// The output of a validation step.
 pub(super) type ValidOutput<LC> =
     <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Output;
@@ -33,14 +36,15 @@ pub(super) enum Part<LC: LearningComponentsTypes> {
         step: usize,
         output: Option<Handoff<ModelOutput<LC>>>,
     },
-    /// Step `step` of `rank`'s validation batches.
+    /// Batch `index` of one device's validation pass (a rank's is `index % world_size`), with
+    /// one device's progress after it.
     Valid {
-        rank: usize,
-        step: usize,
+        index: usize,
+        progress: burn::data::dataloader::Progress,
         output: Handoff<ValidOutput<LC>>,
     },
-    /// The rank validated its whole shard: `steps` batches.
-    ValidDone { rank: usize, steps: usize },
+    /// `rank` validated its share of the pass.
+    ValidDone { rank: usize },
 }
 
 pub(super) type ModelOutput<LC> = <TrainingModel<LC> as TrainStep>::Output;
@@ -48,7 +52,9 @@ pub(super) type ModelOutput<LC> = <TrainingModel<LC> as TrainStep>::Output;
 /// What rank 0 holds besides its replica: burn-train's components and the other ranks' items.
 pub(super) struct Leader<LC: LearningComponentsTypes> {
     pub event_processor: SupervisedTrainingEventProcessor<LC>,
-    pub dataloader_valid: ValidLoader<LC>,
+    /// Rank 0's one copy of the validation loader, when it validates alone (`None`: validation
+    /// is sharded, and read through the ranks' [`ValidShard`](super::validation::ValidShard)).
+    pub dataloader_valid: Option<ValidLoader<LC>>,
     pub checkpointer: Option<LearningCheckpointer<LC>>,
     /// burn-ddp's step checkpoints (with a checkpoint directory).
     pub step_checkpoints: Option<StepCheckpoints<LC>>,

@@ -10,14 +10,16 @@ use burn::train::{
     TrainingBackend, TrainingComponents, TrainingModel, ValidLoader,
 };
 
+use super::dealer::Dealer;
 use super::epoch::{Buffers, Trainer};
 use super::events::Events;
 use super::metrics_file::MetricsFile;
 use super::rank::{Leader, Part, Role};
 use super::sharded::{RecordReader, Sharded};
+use super::shards::{Cut, train_loaders};
 use super::step_checkpoints::StepCheckpoints;
-use super::validation::{ValidShard, ValidationPlan};
-use super::worker::{run_all, split_train_loader};
+use super::validation::ValidShard;
+use super::worker::run_all;
 use super::{DdpStrategy, lock, rank, resume, startup};
 use crate::config::{UnevenInputs, Validation};
 use crate::error::{DdpError, Result};
@@ -32,18 +34,92 @@ type RunOutcome<LC> = (
 );
 
 /// What the strategy checked and cut before any rank starts: the ranks this process runs (with
-/// their groups), their training shards, and the loaders as the ranks compare them.
+/// their groups), their training loaders and how they were cut, and the loaders as the ranks
+/// compare them.
 struct Prepared<LC: LearningComponentsTypes> {
     local: Vec<(usize, Arc<dyn ProcessGroup>)>,
     shards: Vec<TrainLoader<LC>>,
+    /// How the training loaders were cut.
+    cut: Cut,
     loaders: startup::Startup,
 }
 
-/// How validation is run: sharded by whole batches (the plan), between processes only when the
-/// validation output type can travel (the codec); `None`: rank 0 validates alone.
-struct ValidationMode<LC: LearningComponentsTypes> {
-    plan: Option<ValidationPlan>,
-    codec: Option<crate::outputs::Codec<rank::ValidOutput<LC>, rank::InnerBackend<LC>>>,
+/// Why rank 0 validates alone although validation is sharded: one device's validation batches
+/// cannot reach every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Alone {
+    /// Processes, and a validation output type burn-ddp cannot send between them.
+    NotSendable,
+    /// Thread replicas on several devices: a batch is built on one device.
+    SeveralDevices,
+    /// Thread replicas on a backend whose tensors belong to the thread that made them (wgpu,
+    /// CUDA: Burn 0.21's fusion loses track of a handle another thread uses).
+    ThreadHandles,
+    /// Processes, and a validation loader other than a `DistributedDataLoader`: each process
+    /// builds one device's batches from its own copy, and such a loader's order may differ
+    /// between them (Burn's workers hand batches out as they finish them).
+    OrderBetweenProcesses,
+}
+
+impl Alone {
+    /// Why sharded validation of `world_size > 1` replicas falls back to rank 0, if it does:
+    /// threads of this process or not, on `devices`, with a codec for the output type or not,
+    /// with a validation `DistributedDataLoader` (`valid_loader != 0`) or not.
+    fn of<B: burn::tensor::backend::Backend>(
+        threads: bool,
+        devices: &[B::Device],
+        sendable: bool,
+        valid_loader: u64,
+    ) -> Option<Self> {
+        if threads {
+            if !devices.windows(2).all(|pair| pair[0] == pair[1]) {
+                Some(Alone::SeveralDevices)
+            } else if !crate::replica::shares_plain_values::<B>() {
+                Some(Alone::ThreadHandles)
+            } else {
+                None
+            }
+        } else if !sendable {
+            Some(Alone::NotSendable)
+        } else if valid_loader == 0 {
+            Some(Alone::OrderBetweenProcesses)
+        } else {
+            None
+        }
+    }
+
+    /// The start-up warning: why, and what shards validation there.
+    fn warning(self, output_type: &str) -> String {
+        let (why, instead) = match self {
+            Alone::NotSendable => (
+                format!(
+                    "the validation output type ({output_type}) is not one burn-ddp can send \
+                     between processes"
+                ),
+                "an output type of burn_ddp::outputs::DistributedOutput (Burn's classification \
+                 and regression outputs are)",
+            ),
+            Alone::SeveralDevices => (
+                "thread replicas on several devices cannot validate one device's batches".into(),
+                "one process per device (burn-ddp run)",
+            ),
+            Alone::ThreadHandles => (
+                "thread replicas on this backend cannot use a batch another thread built".into(),
+                "one process per device (burn-ddp run)",
+            ),
+            Alone::OrderBetweenProcesses => (
+                "the validation loader is not a DistributedDataLoader, whose order every \
+                 process can rebuild"
+                    .into(),
+                "a DistributedDataLoader of world size 1 for validation \
+                 (DistributedSampler::new(len, 1).without_shuffle())",
+            ),
+        };
+        format!(
+            "{why}: rank 0 validates the whole set alone, as one device does, while the others \
+             wait; to share it out, use {instead}"
+        )
+    }
 }
 
 /// What every rank of this process starts from.
@@ -83,6 +159,7 @@ where
         let Prepared {
             local,
             shards,
+            cut,
             loaders,
         } = match prepared {
             Ok(prepared) => prepared,
@@ -137,13 +214,11 @@ where
             ranks: Vec::new(),
         };
         self.announce(first_rank, shards[0].num_items());
-        let validation = self.validation_mode(&dataloader_valid, first_rank);
+        let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
+        let valid_shard = self.valid_shard(&dataloader_valid, &ranks, loaders.valid_loader);
         let start = Start {
             learner,
-            loaders: startup::Startup {
-                valid_batch: validation.plan.map_or(0, |p| p.batch_size as u64),
-                ..loaders
-            },
+            loaders,
             run_id,
             interrupter: components.interrupter.clone(),
             grad_accumulation: accumulation.max(1),
@@ -152,10 +227,10 @@ where
         };
         let trainers = self.trainers(
             local,
-            shards,
+            (shards, cut),
             components,
             &dataloader_valid,
-            &validation,
+            valid_shard,
             start,
         );
         let (ranks, leader_parts, error) = run_all(trainers, self.config.timeout());
@@ -202,17 +277,33 @@ where
                 .collect(),
         };
         // A DistributedDataLoader built for another world size, or one that pads the validation
-        // set, is refused before anything starts.
+        // set, is refused before anything starts. (Nothing but `num_items` is called on the
+        // loaders before their one copy: a Burn loader's `slice` and `to_device` advance its
+        // shuffling generator.)
         let train_loader = crate::sampler::check_loader(
             &**dataloader_train,
             crate::sampler::Purpose::Training { world_size },
         )?;
-        crate::sampler::check_loader(&**dataloader_valid, crate::sampler::Purpose::Validation)?;
+        let valid_loader =
+            crate::sampler::check_loader(&**dataloader_valid, crate::sampler::Purpose::Validation)?;
         let ranks: Vec<usize> = local.iter().map(|(rank, _)| *rank).collect();
-        // A DistributedDataLoader's shards are its sampler's (they differ by at most one sample).
-        let whole = join || train_loader != 0;
-        let shards =
-            split_train_loader::<LC>(dataloader_train, &ranks, world_size, &self.devices, whole)?;
+        let devices = &self.devices[..ranks.len().min(self.devices.len())];
+        let distributed = train_loader != 0;
+        let cut = Cut::of::<LC>(
+            distributed,
+            join,
+            world_size,
+            self.process_group.is_none(),
+            devices,
+        );
+        let shards = train_loaders::<LC>(
+            dataloader_train,
+            (cut, distributed),
+            &local,
+            world_size,
+            devices,
+            self.config.timeout(),
+        )?;
         let loaders = startup::Startup {
             epochs: (0, 0),
             resumed_batches: 0,
@@ -221,11 +312,17 @@ where
             train_items: dataloader_train.num_items() as u64,
             train_loader,
             valid_items: dataloader_valid.num_items() as u64,
-            valid_batch: 0,
+            // Compared where validation is to be shared out (processes that would not all shard
+            // it would meet in other collectives); with `Validation::Rank0` only rank 0's counts.
+            valid_loader: match self.config.validation() {
+                Validation::Sharded => valid_loader,
+                Validation::Rank0 => 0,
+            },
         };
         Ok(Prepared {
             local,
             shards,
+            cut,
             loaders,
         })
     }
@@ -249,19 +346,21 @@ where
         }
     }
 
-    /// How validation runs, and on rank 0 the warnings about output types burn-ddp cannot join
-    /// or send.
-    fn validation_mode(
+    /// Sharded validation's pass over the validation loader, dealt to this process's `ranks`
+    /// (`None`: rank 0 validates alone, with a warning at start-up on rank 0 where validation
+    /// was to be sharded); and on rank 0 the warning about a training output type burn-ddp
+    /// cannot join. `valid_loader`: the validation `DistributedDataLoader`'s fingerprint (0:
+    /// another loader).
+    fn valid_shard(
         &self,
         dataloader_valid: &ValidLoader<LC>,
-        first_rank: usize,
-    ) -> ValidationMode<LC> {
+        ranks: &[usize],
+        valid_loader: u64,
+    ) -> Option<ValidShard<LC>> {
         let world_size = self.world_size();
         let threads = self.process_group.is_none();
+        let first_rank = ranks.first().copied().unwrap_or(0);
         let codec = crate::outputs::codec::<rank::ValidOutput<LC>, rank::InnerBackend<LC>>();
-        let sharded = world_size > 1
-            && self.config.validation() == Validation::Sharded
-            && (threads || codec.is_some());
         if world_size > 1 && first_rank == 0 {
             let probe = Events::<LC>::new(threads, self.config.metrics_every(), world_size);
             if !probe.joins_training() {
@@ -277,18 +376,25 @@ where
                     }
                 ));
             }
-            if self.config.validation() == Validation::Sharded && !sharded {
-                burn_ddp_comm::log::warn_console(&format!(
-                    "the validation output type ({}) is not one burn-ddp can send between \
-                     processes: rank 0 validates the whole set alone",
-                    std::any::type_name::<rank::ValidOutput<LC>>()
-                ));
+        }
+        if world_size == 1 || self.config.validation() != Validation::Sharded {
+            return None;
+        }
+        let devices = &self.devices[..ranks.len().min(self.devices.len())];
+        let alone =
+            Alone::of::<rank::InnerBackend<LC>>(threads, devices, codec.is_some(), valid_loader);
+        if let Some(alone) = alone {
+            if first_rank == 0 {
+                burn_ddp_comm::log::warn_console(
+                    &alone.warning(std::any::type_name::<rank::ValidOutput<LC>>()),
+                );
             }
+            return None;
         }
-        ValidationMode {
-            plan: sharded.then(|| ValidationPlan::of(&**dataloader_valid)),
+        Some(ValidShard {
+            dealer: Dealer::new(dataloader_valid, &devices[0], world_size, ranks.to_vec()),
             codec,
-        }
+        })
     }
 
     /// One trainer per rank of this process: rank 0 takes burn-train's components (the leader),
@@ -297,10 +403,10 @@ where
     fn trainers(
         &self,
         local: Vec<(usize, Arc<dyn ProcessGroup>)>,
-        shards: Vec<TrainLoader<LC>>,
+        (shards, cut): (Vec<TrainLoader<LC>>, Cut),
         components: TrainingComponents<LC>,
         dataloader_valid: &ValidLoader<LC>,
-        validation: &ValidationMode<LC>,
+        valid_shard: Option<ValidShard<LC>>,
         start: Start<LC>,
     ) -> Vec<Trainer<LC>> {
         let world_size = self.world_size();
@@ -328,7 +434,10 @@ where
                         Some((checkpointer, early_stopping, event_store)),
                     ) => Role::Leader(Box::new(Leader {
                         event_processor,
-                        dataloader_valid: dataloader_valid.to_device(&device),
+                        // Rank 0's one copy, as one device makes its own.
+                        dataloader_valid: valid_shard
+                            .is_none()
+                            .then(|| dataloader_valid.to_device(&device)),
                         checkpointer,
                         step_checkpoints: self.config.checkpoint_dir().map(|dir| {
                             StepCheckpoints::new(dir, &start.run_id, checkpoint_key(&start.run_id))
@@ -341,17 +450,6 @@ where
                     (_, Some(event_processor), _) => Role::Silent(Box::new(event_processor)),
                     _ => Role::Follower(sender.clone()),
                 };
-                let valid_shard = validation.plan.map(|plan| {
-                    let batches = plan.batches_of(rank, world_size);
-                    let items = plan.items_of(batches.clone());
-                    ValidShard {
-                        loader: dataloader_valid
-                            .slice(items.start, items.end)
-                            .to_device(&device),
-                        plan,
-                        codec: validation.codec,
-                    }
-                });
                 Trainer {
                     rank,
                     group,
@@ -369,7 +467,8 @@ where
                     events: Events::new(threads, self.config.metrics_every(), world_size),
                     loaders: start.loaders,
                     run_id: start.run_id.clone(),
-                    valid_shard,
+                    valid_shard: valid_shard.clone(),
+                    cut,
                     sharded: self
                         .config
                         .optimizer_sharding()

@@ -26,8 +26,10 @@ pub(super) struct Startup {
     pub train_loader: u64,
     /// Items of the validation loader.
     pub valid_items: u64,
-    /// Its batch size, when validation is sharded by its batches (0 otherwise).
-    pub valid_batch: u64,
+    /// The validation `DistributedDataLoader`'s sampler and batch size, hashed (0: another
+    /// loader). Sharded validation between processes deals one device's batches, which every
+    /// process builds from its own loader: they must be the same.
+    pub valid_loader: u64,
 }
 
 const WORDS: usize = 10;
@@ -44,7 +46,7 @@ impl Startup {
             self.train_items,
             self.train_loader,
             self.valid_items,
-            self.valid_batch,
+            self.valid_loader,
         ]
     }
 
@@ -57,7 +59,7 @@ impl Startup {
             train_items: w[6],
             train_loader: w[7],
             valid_items: w[8],
-            valid_batch: w[9],
+            valid_loader: w[9],
         }
     }
 
@@ -147,9 +149,10 @@ fn describe(
         );
     }
     format!(
-        "rank 0's validation loader has batches of {} items but rank {other}'s of {}: the ranks \
-         shard validation by whole batches and must build the same loader",
-        first.valid_batch, theirs.valid_batch
+        "rank 0's and rank {other}'s validation DistributedDataLoaders differ in their sampler \
+         (seed, shuffling, shards) or batch size: the ranks share one device's validation \
+         batches out, which each process builds from its own loader, so every rank must build \
+         the same one"
     )
 }
 
@@ -167,7 +170,7 @@ mod tests {
             train_items: 640,
             train_loader: 11,
             valid_items: 64,
-            valid_batch: 8,
+            valid_loader: 8,
         };
         let text = |theirs| describe(&view, 2, &theirs, &"config");
         assert!(
@@ -176,6 +179,13 @@ mod tests {
                 ..view
             })
             .contains("64 items but rank 2's 65")
+        );
+        assert!(
+            text(Startup {
+                valid_loader: 9,
+                ..view
+            })
+            .contains("rank 0's and rank 2's validation DistributedDataLoaders differ")
         );
         assert!(
             text(Startup {

@@ -8,10 +8,8 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::Device;
 use burn::train::{
-    LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader, TrainingBackend,
-    TrainingModel,
+    LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainingBackend, TrainingModel,
 };
 
 use super::epoch::{Buffers, Trainer};
@@ -340,53 +338,6 @@ where
     )
 }
 
-/// The training shards of `ranks` (global ranks run by this process, on `devices`). With `whole`
-/// (a `DistributedDataLoader`, whose shards are its sampler's, or join mode) nothing is dropped:
-/// the slices are `chunk_range(items, world_size, r)`, differing by at most one item. Otherwise
-/// (a plain Burn loader) the loader is cut into `world_size` equal contiguous slices (a remainder
-/// of fewer than `world_size` items is dropped so every rank has as many batches) and rank `r`
-/// takes slice `r`.
-pub(super) fn split_train_loader<LC: LearningComponentsTypes>(
-    loader: &TrainLoader<LC>,
-    ranks: &[usize],
-    world_size: usize,
-    devices: &[Device<TrainingBackend<LC>>],
-    whole: bool,
-) -> Result<Vec<TrainLoader<LC>>> {
-    let items = loader.num_items();
-    let per_rank = items / world_size;
-    // With whole shards a rank may have no sample at all: it takes part in every step without.
-    if per_rank == 0 && !whole {
-        return Err(DdpError::InvalidConfig(format!(
-            "the training set has {items} items, fewer than the {world_size} replicas"
-        )));
-    }
-    if !whole && !items.is_multiple_of(world_size) && ranks.contains(&0) {
-        // It changes what is trained: on the console, not only in burn-train's log file.
-        burn_ddp_comm::log::warn_console(&format!(
-            "{items} training items do not divide between {world_size} replicas; the last {} \
-             are not used (a DistributedDataLoader trains every item, as one device does)",
-            items % world_size
-        ));
-    }
-    Ok(ranks
-        .iter()
-        .zip(devices)
-        .map(|(&rank, device)| {
-            if world_size == 1 {
-                loader.to_device(device)
-            } else if whole {
-                let range = burn_ddp_comm::group::chunk_range(items, world_size, rank);
-                loader.slice(range.start, range.end).to_device(device)
-            } else {
-                loader
-                    .slice(rank * per_rank, (rank + 1) * per_rank)
-                    .to_device(device)
-            }
-        })
-        .collect())
-}
-
 /// The error to report when several ranks failed: a panic or a local error first, then a
 /// timeout, then a peer that left, then an abort (which only repeats an earlier failure); a stop
 /// by signal only when nothing else went wrong. Between errors of one kind, the lowest rank's
@@ -397,7 +348,9 @@ fn root_cause(errors: Vec<(usize, DdpError)>) -> Option<DdpError> {
         DdpError::Preempted { .. } => 5,
         DdpError::Comm(CommError::Aborted { .. }) => 4,
         DdpError::Comm(CommError::PeerLeft { .. }) => 3,
-        DdpError::Comm(CommError::Timeout { .. }) | DdpError::Unresponsive { .. } => 2,
+        DdpError::Comm(CommError::Timeout { .. })
+        | DdpError::Unresponsive { .. }
+        | DdpError::LoaderStalled { .. } => 2,
         _ => 1,
     };
     errors

@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex, NdArray};
-use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use burn::data::dataloader::DataLoader;
 use burn::data::dataset::InMemDataset;
 use burn::optim::AdamConfig;
 use burn::record::CompactRecorder;
@@ -309,10 +309,24 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
         .map_err(|e| e.to_string())?
         .with_num_workers(args.loader_workers),
     );
-    let test_loader = DataLoaderBuilder::new(FashionBatcher)
-        .batch_size(256)
-        .set_device(device.clone())
-        .build(InMemDataset::<FashionItem>::new(dataset.test));
+    // Validation in one fixed order (a sampler of world size 1, unshuffled), which every process
+    // can rebuild: burn-ddp shares one device's validation batches out across the ranks, in
+    // threads and in processes alike (a Burn `DataLoaderBuilder` loader validates on rank 0
+    // alone between processes).
+    let test_len = dataset.test.len();
+    let test_loader: Arc<dyn DataLoader<B::InnerBackend, data::FashionBatch<B::InnerBackend>>> =
+        Arc::new(
+            DistributedDataLoader::new(
+                Arc::new(InMemDataset::<FashionItem>::new(dataset.test)),
+                FashionBatcher,
+                DistributedSampler::new(test_len, 1)
+                    .map_err(|e| e.to_string())?
+                    .without_shuffle(),
+                256,
+                device.clone(),
+            )
+            .map_err(|e| e.to_string())?,
+        );
 
     let learner = Learner::new(model, AdamConfig::new().init(), args.lr);
     // Every rank reads checkpoints from the same directory; only rank 0 renders, logs metrics

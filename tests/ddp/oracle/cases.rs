@@ -116,6 +116,8 @@ pub(super) struct Case {
     pub join: bool,
     pub shuffle: bool,
     pub valid: ValidKind,
+    /// burn-ddp validates on rank 0 alone (`Validation::Rank0`) instead of sharding.
+    pub valid_rank0: bool,
     pub valid_samples: usize,
     pub valid_batch: usize,
     pub epochs: usize,
@@ -128,6 +130,13 @@ pub(super) struct Case {
     pub stop_after: Option<usize>,
     /// burn-ddp's bucket caps (first and others), in bytes; `None`: the defaults.
     pub bucket_cap: Option<usize>,
+    /// burn-ddp's consistency check off: it synchronises the ranks at every step, which can hide
+    /// a race (thread ranks are then compared through rank 0's results only).
+    pub unchecked: bool,
+    /// The training loader is Burn's own (`DataLoaderBuilder`, shuffled by the seed when
+    /// `shuffle`), not a `DistributedDataLoader`: thread ranks only (processes slice it), no
+    /// resume (a fresh copy of a Burn loader restarts its generator, on one device too).
+    pub train_burn: bool,
     pub resume: Resume,
 }
 
@@ -148,6 +157,7 @@ pub(super) fn base() -> Case {
         join: false,
         shuffle: true,
         valid: ValidKind::Plain,
+        valid_rank0: false,
         valid_samples: 10,
         valid_batch: 4,
         epochs: 2,
@@ -155,6 +165,8 @@ pub(super) fn base() -> Case {
         high_lr: false,
         stop_after: None,
         bucket_cap: None,
+        unchecked: false,
+        train_burn: false,
         resume: Resume::No,
     }
 }
@@ -223,6 +235,53 @@ pub(super) fn core() -> Vec<Case> {
             global_batch: 16,
             shuffle: false,
             valid: ValidKind::Distributed,
+            ..b
+        },
+        // Burn's shuffled validation loader (as Burn's guide builds its test loader), sharded
+        // over 3 threads and 2 processes, and on rank 0 alone: one device's batches each epoch.
+        Case {
+            world: 3,
+            global_batch: 12,
+            valid: ValidKind::BurnShuffled,
+            valid_samples: 11,
+            valid_batch: 3,
+            ..b
+        },
+        Case {
+            transport: Transport::Tcp,
+            valid: ValidKind::BurnShuffled,
+            ..b
+        },
+        Case {
+            valid: ValidKind::BurnShuffled,
+            valid_rank0: true,
+            ..b
+        },
+        // Burn's shuffled training loader over 3 thread ranks: 100 samples in batches of 8, the
+        // last step one batch of 4 (two ranks without one); and with micro-batches.
+        Case {
+            world: 3,
+            train_burn: true,
+            samples: 100,
+            global_batch: 24,
+            ..b
+        },
+        Case {
+            train_burn: true,
+            accumulation: Some(2),
+            samples: 90,
+            global_batch: 16,
+            opt: Opt::SgdMomentum,
+            ..b
+        },
+        // Four micro-batches per step over 3 thread ranks, without the consistency check's
+        // per-step synchronisation.
+        Case {
+            world: 3,
+            accumulation: Some(4),
+            samples: 96,
+            global_batch: 6,
+            unchecked: true,
             ..b
         },
         // Uneven shards and a dataset smaller than the world size, in join mode.
@@ -527,7 +586,7 @@ pub(super) fn random(rng: &mut Rng) -> Case {
             Scheduler::WarmupCosine,
         ][rng.below(3)],
         // Join refuses gradient accumulation.
-        accumulation: (!join && rng.below(3) == 0).then_some(2),
+        accumulation: (!join && rng.below(3) == 0).then(|| 2 + rng.below(3)),
         clip: [Clip::Off, Clip::Off, Clip::Setting, Clip::Wrapper][rng.below(4)],
         shard: rng.below(3) == 0,
         shard_grads: false,
@@ -535,11 +594,12 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         global_batch: world * per_rank,
         join,
         shuffle: rng.below(4) != 0,
-        valid: if rng.below(2) == 0 {
-            ValidKind::Plain
-        } else {
-            ValidKind::Distributed
-        },
+        valid: [
+            ValidKind::Plain,
+            ValidKind::Distributed,
+            ValidKind::BurnShuffled,
+        ][rng.below(3)],
+        valid_rank0: rng.below(4) == 0,
         valid_samples: 5 + rng.below(12),
         valid_batch: 1 + rng.below(5),
         epochs: 1 + rng.below(3),
@@ -547,17 +607,26 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         high_lr: false,
         stop_after: None,
         bucket_cap: (rng.below(4) == 0).then_some(256),
+        unchecked: rng.below(4) == 0,
+        train_burn: transport != Transport::Tcp && !join && rng.below(3) == 0,
         resume: Resume::No,
     };
     if !model.exact() {
-        // Enough samples, epochs and a learning rate to learn (one device's loss falls too).
-        case.samples = case.samples.max(4 * case.global_batch);
+        // Enough samples, epochs and a learning rate to learn (one device's loss falls too):
+        // four optimizer steps per epoch.
+        case.samples = case
+            .samples
+            .max(4 * case.global_batch * case.accumulation.unwrap_or(1));
         case.epochs = 4;
         case.opt = Opt::Adam;
         case.sched = Scheduler::Constant;
         case.clip = Clip::Off;
     }
     case.shard_grads = case.shard && case.clip != Clip::Wrapper && rng.below(2) == 0;
+    if let Some(micro_batches) = case.accumulation {
+        // At least one optimizer step per epoch (its state is what sharding splits).
+        case.samples = case.samples.max(micro_batches * case.global_batch);
+    }
     // Resumed runs: Adam (whose state the harness's optimizer checkpoints), a model without
     // step counts of its own, no join mode.
     // A run stopped mid-epoch needs an optimizer step's boundary before the epoch's end (a stop
@@ -592,6 +661,11 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         } else {
             Resume::No
         };
+    }
+    if case.resume != Resume::No || model == Model::SyncBn {
+        // Resumed runs restart a Burn loader's generator; SyncBatchNorm needs every rank a
+        // batch in the last step, which Burn's loader dealt to the ranks need not leave.
+        case.train_burn = false;
     }
     case
 }

@@ -29,8 +29,13 @@
 //! Not one device's by design, so checked for running, staying alike on every rank and learning
 //! (the last epoch's mean training loss below the first's): plain `BatchNorm` (per-replica
 //! statistics, as PyTorch DDP without `SyncBatchNorm`) and dropout (the backend's random
-//! draws). Not covered: plain Burn *training* loaders (each rank trains on a contiguous slice,
-//! so the steps see other samples than one device's: exactness needs `DistributedDataLoader`).
+//! draws). Burn's own *training* loaders (shuffled or not, of the per-replica batch) are drawn
+//! on thread ranks, where burn-ddp deals one device's batches to the ranks; between processes
+//! burn-ddp slices them (with a warning: not one device's steps), which the harness does not
+//! draw. Not drawn either (tested on their own, or not yet): ZeRO-2 stopped and resumed
+//! (`sharding.rs`), custom-loop cases (`custom_loop.rs`), runs interrupted inside an
+//! accumulation window (`equivalence.rs`), early stopping in the random tail, and which
+//! reduction path (reduce-scatter or its fallback, shared or copied tensors) a case ran.
 
 mod cases;
 mod parts;
@@ -40,8 +45,8 @@ use burn_ddp::config::UnevenInputs;
 use burn_ddp::metrics::TrainingReport;
 use burn_ddp_tests::{
     BnCnn, DropoutMlp, FreezesAfterTwoSteps, Mlp, Recording, Run, SplitSeen, SyncBnCnn,
-    TestBackend, WithTeacher, deterministic, device, float_tensors, max_relative_difference,
-    over_tcp, run_training, with_values,
+    TestBackend, TrainKind, WithTeacher, deterministic, device, float_tensors,
+    max_relative_difference, over_tcp, run_training, with_values,
 };
 
 use cases::{Case, Clip, Model, Opt, Resume, Rng, Transport, core, random};
@@ -96,9 +101,12 @@ fn observe(case: &Case, replicas: Option<usize>) -> Observed {
         (Some(_), Resume::MidEpoch) => {
             let dir = scratch(case);
             // Stopped mid-epoch: at the batch halfway through the run's first epoch, or its
-            // second when the first is a single step.
+            // second when the first is a single step; not before the first accumulation
+            // window's last micro-batch (stopped inside a window, a run steps no optimizer for
+            // it, as plain Burn, and would have no step checkpoint to resume from).
             let batches = case.samples.div_ceil(case.global_batch);
-            let stop_at = (batches / 2).max(1) + usize::from(batches == 1);
+            let stop_at = ((batches / 2).max(1) + usize::from(batches == 1))
+                .max(case.accumulation.unwrap_or(1));
             let stopped = observe_leg(
                 case,
                 &Leg {
@@ -198,6 +206,9 @@ fn run_of(case: &Case, leg: &Leg) -> Run {
     run.grad_accumulation = case.accumulation;
     run.shuffle = case.shuffle;
     run.valid = case.valid;
+    if case.train_burn {
+        run.train = TrainKind::Burn;
+    }
     run.valid_samples = Some(case.valid_samples);
     run.valid_batch = case.valid_batch;
     run.early_stopping = case.early_stopping;
@@ -206,6 +217,9 @@ fn run_of(case: &Case, leg: &Leg) -> Run {
     run.artifacts = leg.artifacts.clone();
     run.resume_after = leg.resume.flatten();
     let mut config = DdpConfig::default();
+    if case.valid_rank0 {
+        config = config.with_validation(burn_ddp::config::Validation::Rank0);
+    }
     if case.join {
         config = config.with_uneven_inputs(UnevenInputs::Join);
     }
@@ -216,7 +230,7 @@ fn run_of(case: &Case, leg: &Leg) -> Run {
         }
         // Thread ranks return rank 0's model only: every rank is compared every step.
         config = config
-            .with_consistency_check_every(1)
+            .with_consistency_check_every(u64::from(!case.unchecked))
             .with_optimizer_sharding(leg.shard.unwrap_or(case.shard))
             .with_gradient_sharding(case.shard_grads && leg.shard.unwrap_or(case.shard))
             .with_shared_memory_reduction(case.transport != Transport::ThreadBuckets)

@@ -30,27 +30,41 @@ where
     ) -> Result<Option<(Batch<LC>, Input<LC>)>> {
         let before = iterator.progress().items_processed;
         let input = iterator.next();
-        let samples = match &input {
-            Some(_) => iterator
+        // A DistributedDataLoader (or a loader dealt as one device reads it) says what the step
+        // holds over all ranks: this rank's share of it weighs its gradients, and a rank whose
+        // shard ended a batch early (the epoch's last step has fewer samples, or batches, than
+        // ranks) takes part in that step without a sample.
+        let distributed = self.loaders.train_loader != 0;
+        let drawn = (self.cut.draws_steps(distributed) && !run.policy.join())
+            .then(crate::sampler::drawn_on_this_thread)
+            .flatten();
+        // The batch's samples: as drawn, else the loader's progress over it (a dealt loader's
+        // progress is this rank's share of one device's, not its own count).
+        let samples = match (&input, drawn) {
+            (None, _) => 0,
+            (Some(_), Some(drawn)) if drawn.samples > 0 => drawn.samples as usize,
+            (Some(_), _) => iterator
                 .progress()
                 .items_processed
                 .saturating_sub(before)
                 .max(1),
-            None => 0,
         };
         state.local_samples += samples as u64;
-        // A DistributedDataLoader says what the step holds over all ranks: this rank's share of
-        // it weighs its gradients, and a rank whose shard ended a batch early (the epoch's last
-        // step has fewer samples than ranks) takes part in that step without a sample.
-        let drawn = (self.loaders.train_loader != 0 && !run.policy.join())
-            .then(crate::sampler::drawn_on_this_thread)
-            .flatten();
         let without_sample =
             input.is_none() && drawn.is_some_and(|d| (state.step as u64) < d.steps);
         if without_sample {
             crate::sampler::Drawn::enter_step_without_sample();
         }
         let drawn = drawn.and(crate::sampler::drawn_on_this_thread());
+        // A loader dealt as one device reads it learns only at the epoch's last step that a
+        // rank has no batch in it: every rank finds it here, before a forward pass whose
+        // SyncBatchNorm collectives the rank without a batch would not join.
+        if let Some(drawn) = &drawn
+            && drawn.leaves_a_rank_without_samples()
+            && crate::sync_bn::used_on_this_thread()
+        {
+            return Err(without_sample_under_sync_bn(drawn));
+        }
         // Join mode: every step starts with an agreement on who still has a batch (the weights
         // of the reduction depend on it). Otherwise every rank has a batch until all run out
         // together, and the stop votes ride in the gradient all-reduce: one collective per step.
@@ -134,7 +148,7 @@ where
             && drawn.leaves_a_rank_without_samples()
             && crate::sync_bn::used_on_this_thread()
         {
-            return Err(without_sample_under_sync_bn(drawn.last_step_samples));
+            return Err(without_sample_under_sync_bn(&drawn));
         }
         Ok(match output {
             Some(output) => {

@@ -22,6 +22,7 @@ use super::policy::{Agreement, OnNonFinite, StepPolicy, StopVote, end_of_data};
 use super::rank::{Comm, ModelOutput, Role, ValidOutput};
 use super::resume::Resume;
 use super::sharded::{RecordReader, Sharded};
+use super::shards::Cut;
 use super::startup::Startup;
 use super::validation::ValidShard;
 use crate::config::DdpConfig;
@@ -105,6 +106,10 @@ pub(super) struct Trainer<LC: LearningComponentsTypes> {
     /// This rank's whole batches of the validation loader (sharded validation); `None`: rank 0
     /// validates alone.
     pub valid_shard: Option<ValidShard<LC>>,
+    /// How this rank's training loader was cut from burn-train's: whether it records what each
+    /// step holds on its thread (the sampler's `Drawn`), and whether its progress is one
+    /// device's already (a dealt loader) or this rank's share.
+    pub cut: Cut,
     /// The optimizer, with [`DdpConfig::with_optimizer_sharding`].
     pub sharded: Option<Sharded>,
     /// Reads the learner's optimizer record (for sharding, and the report's optimizer state).
@@ -150,6 +155,9 @@ struct EpochState<LC: LearningComponentsTypes> {
     /// Batches of the epoch so far (a resumed run starts past the ones it trained).
     step: usize,
     stop: Option<Stop>,
+    /// burn-train's `Interrupter` asked to stop after a micro-batch of the accumulation window in
+    /// progress that was not its last: the window's reduction carries it, and no rank steps.
+    interrupted_in_window: bool,
     /// This rank's samples; the epoch's total comes with the end-of-epoch all-gather.
     local_samples: u64,
 }
@@ -271,6 +279,7 @@ where
             steps: 0,
             step: skip,
             stop: None,
+            interrupted_in_window: false,
             local_samples: 0,
         };
         self.events.start(skip);
@@ -290,10 +299,10 @@ where
         report.train_time += started.elapsed();
         report.sync = run.watch.times();
         ended?;
-        if !run.policy.at_step_boundary() && state.stop.is_none() {
+        if !run.policy.at_step_boundary() {
             // Micro-batches left over were dropped, but their forward passes moved each rank's
             // BatchNorm statistics by its own samples (one device has one set): every rank is
-            // here with as many of them.
+            // here with as many of them (also when an interrupt ends the epoch here).
             self.sync_buffers(ddp)?;
         }
         Ok(Trained {
@@ -346,6 +355,11 @@ where
         } else {
             Some(grads)
         };
+        // burn-train's loop checks its interrupter after every micro-batch and stops there,
+        // without the window's optimizer step: the window's reduction tells every rank.
+        if ready.is_none() && self.interrupter.should_stop() {
+            state.interrupted_in_window = true;
+        }
         if ready.is_none() && self.buffers == Buffers::Shared {
             // Inside an accumulation window: the next forward pass reads the statistics this one
             // updated on every thread.
@@ -358,13 +372,15 @@ where
         }
         // Every rank reports every step (join mode: `None` without a batch), so rank 0 can
         // report one item per step covering the global batch.
-        let world_size = self.group.world_size();
+        // burn-train's progress: one device's (a dealt loader reports it), or this rank's share
+        // times the ranks.
+        let ranks = match self.cut {
+            Cut::Dealt => 1,
+            _ => self.group.world_size(),
+        };
         let local = iterator.progress();
         let meta = Meta {
-            progress: Progress::new(
-                local.items_processed * world_size,
-                local.items_total * world_size,
-            ),
+            progress: Progress::new(local.items_processed * ranks, local.items_total * ranks),
             lr: Some(self.learner.lr_current()),
             times: StepTimes {
                 wall: started.elapsed(),
@@ -414,10 +430,12 @@ where
         if batch.agreement.is_none() {
             // Read after this step's forward and backward passes: an interrupt raised during
             // them stops training after this step.
+            let inside = std::mem::take(&mut state.interrupted_in_window);
             options.words = StopVote {
-                interrupt: self.interrupter.should_stop(),
+                interrupt: !inside && self.interrupter.should_stop(),
                 signal: self.signal().is_some(),
                 out_of_data: batch.out_of_data,
+                interrupted_inside: inside,
             }
             .words();
         }
@@ -448,12 +466,23 @@ where
             end_of_data(&words, self.rank, state.epoch, state.step)?;
             // Every rank ran out after as many batches: not a synchronisation.
             ddp.uncount_step();
+            if votes.interrupted() {
+                // As burn-train's loop after an epoch whose steps were interrupted: no
+                // validation, no checkpoint.
+                state.stop = Some(Stop::Interrupted);
+            }
             return Ok(Next::EndOfData);
         }
         in_step?;
         run.watch
             .observe(self.rank, run.counters.synchronisations, took);
         run.counters.synchronisations += 1;
+        if votes.skips_window_step() {
+            // Interrupted inside the window: burn-train stops before its optimizer step.
+            self.sync_buffers(ddp)?;
+            state.stop = Some(Stop::Interrupted);
+            return Ok(Next::Batch);
+        }
         let stepped = self.apply(state, outcome, run, report)?;
         self.sync_buffers(ddp)?;
         let every = self.config.consistency_check_every();
@@ -531,7 +560,7 @@ where
     ) -> Result<()> {
         let every = self.config.checkpoint_every();
         let checkpoint_due = every > 0 && stepped && counters.optimizer_steps.is_multiple_of(every);
-        if votes.interrupt {
+        if votes.interrupted() {
             // The step is trained: its due checkpoint is written before stopping.
             if checkpoint_due {
                 self.step_checkpoint_meeting(state.epoch, state.step + 1, counters)?;
@@ -575,13 +604,33 @@ where
     }
 }
 
-/// The epoch's last step has `last_step_samples` samples, fewer than the ranks: a rank without a
-/// sample cannot run SyncBatchNorm's forward pass, whose collectives every rank joins.
-fn without_sample_under_sync_bn(last_step_samples: u64) -> DdpError {
+/// The epoch's last step leaves a rank without a sample (`drawn`: fewer samples than ranks, or
+/// fewer batches than ranks for a loader dealt as one device reads it): that rank cannot run
+/// SyncBatchNorm's forward pass, whose collectives every rank joins.
+fn without_sample_under_sync_bn(drawn: &crate::sampler::Drawn) -> DdpError {
+    let (what, fix) = if drawn.last_step_without_batch > 0 {
+        (
+            format!(
+                "{} batch(es) for {} ranks",
+                drawn.world_size - drawn.last_step_without_batch,
+                drawn.world_size
+            ),
+            "give the training loader a number of items that fills the last step's batches on \
+             every rank, or use a DistributedDataLoader built with \
+             DistributedSampler::with_drop_last(true)",
+        )
+    } else {
+        (
+            format!(
+                "{} sample(s), fewer than the ranks",
+                drawn.last_step_samples
+            ),
+            "build the training sampler with DistributedSampler::with_drop_last(true), or \
+             choose a batch size or dataset size that leaves every rank a sample in the last step",
+        )
+    };
     DdpError::InvalidConfig(format!(
-        "the epoch's last step has {last_step_samples} sample(s), fewer than the ranks, and \
-         SyncBatchNorm needs a sample on every rank for its forward pass: build the training \
-         sampler with DistributedSampler::with_drop_last(true), or choose a batch size or \
-         dataset size that leaves every rank a sample in the last step"
+        "the epoch's last step has {what}, and SyncBatchNorm needs a sample on every rank for \
+         its forward pass: {fix}"
     ))
 }

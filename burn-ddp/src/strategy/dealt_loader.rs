@@ -1,0 +1,175 @@
+//! A rank's training loader when the user's is not a `DistributedDataLoader`: its share of one
+//! device's pass ([`Dealer`]), rank `r` the batches `r, r + N, ...`, so that step `k` of the
+//! ranks together is batches `kN .. kN + N` of one device's order, the step one device takes with
+//! an `N` times larger batch from the same loader. Each batch records on the rank's thread what
+//! its step holds (the sampler's [`Drawn`]), as a `DistributedDataLoader`'s do: the strategy
+//! weighs each rank's gradients by its share of the step's samples (a short last batch), and a
+//! rank without a batch in the last step takes part in it without a sample.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
+use burn::tensor::backend::Backend;
+
+use super::dealer::{Batches, Dealer, Step};
+use crate::sampler::Drawn;
+use burn_ddp_comm::group::ProcessGroup;
+
+/// Global rank `rank`'s share of `dealer`'s passes, as a Burn loader (one pass per `iter`).
+pub(super) struct DealtLoader<B: Backend, O> {
+    dealer: Arc<Dealer<B, O>>,
+    rank: usize,
+    world_size: usize,
+    /// How long the rank waits for its next batch (the collectives' timeout).
+    timeout: Duration,
+    /// The rank's group: a rank that failed aborts it, and the waiting rank gives up then.
+    group: Arc<dyn ProcessGroup>,
+}
+
+impl<B: Backend, O> DealtLoader<B, O> {
+    /// Rank `group.rank()` of `group.world_size()`, waiting at most `timeout` for a batch.
+    pub fn new(dealer: Arc<Dealer<B, O>>, group: Arc<dyn ProcessGroup>, timeout: Duration) -> Self {
+        Self {
+            dealer,
+            rank: group.rank(),
+            world_size: group.world_size(),
+            timeout,
+            group,
+        }
+    }
+}
+
+impl<B, O> DataLoader<B, O> for DealtLoader<B, O>
+where
+    B: Backend,
+    O: Send + 'static,
+{
+    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
+        let epoch = crate::sampler::epoch_on_this_thread().unwrap_or_default();
+        Box::new(DealtIterator {
+            batches: self.dealer.take(self.rank),
+            timeout: self.timeout,
+            group: self.group.clone(),
+            rank: self.rank,
+            total: self.dealer.num_items(),
+            drawn: Drawn {
+                epoch,
+                world_size: self.world_size as u64,
+                iteration: Drawn::next_iteration(),
+                ..Drawn::default()
+            },
+            world_size: self.world_size,
+        })
+    }
+
+    /// The rank's share, as even as the loader's items go (an estimate: the batch size is only
+    /// seen in the pass).
+    fn num_items(&self) -> usize {
+        self.dealer.num_items().div_ceil(self.world_size)
+    }
+
+    /// The rank's share stays on its device.
+    fn to_device(&self, _device: &B::Device) -> Arc<dyn DataLoader<B, O>> {
+        Arc::new(self.same())
+    }
+
+    /// Not a view of an order of its own: the rank's share, whole.
+    fn slice(&self, _start: usize, _end: usize) -> Arc<dyn DataLoader<B, O>> {
+        Arc::new(self.same())
+    }
+}
+
+impl<B: Backend, O> DealtLoader<B, O> {
+    fn same(&self) -> Self {
+        Self {
+            dealer: self.dealer.clone(),
+            rank: self.rank,
+            world_size: self.world_size,
+            timeout: self.timeout,
+            group: self.group.clone(),
+        }
+    }
+}
+
+/// One pass of a rank's share.
+struct DealtIterator<'a, O> {
+    batches: Batches<'a, O>,
+    timeout: Duration,
+    group: Arc<dyn ProcessGroup>,
+    rank: usize,
+    /// Items of the loader (every rank's).
+    total: usize,
+    /// What the pass has drawn so far, recorded on the thread with every step.
+    drawn: Drawn,
+    world_size: usize,
+}
+
+impl<O> Iterator for DealtIterator<'_, O> {
+    type Item = O;
+
+    /// The rank's next batch; `None` in a last step without one (recorded as such, so the rank
+    /// takes part in the step without a sample) and after the pass.
+    ///
+    /// # Panics
+    /// When the pass broke (with why), or no batch came within the timeout or the group was
+    /// aborted meanwhile (with the [`DdpError`](crate::DdpError) the strategy reports:
+    /// `LoaderStalled`, or `Aborted` by the rank that failed): on the rank's thread
+    /// (`Iterator::next` has no error channel).
+    fn next(&mut self) -> Option<O> {
+        let group = &self.group;
+        let next = match self
+            .batches
+            .next_step_within(&|| group.aborted(), self.timeout)
+        {
+            Ok(next) => next?,
+            Err(stall) => std::panic::panic_any(stall.into_error(self.rank, "training")),
+        };
+        let step: Step = self.batches.step();
+        let world_size = self.world_size as u64;
+        self.drawn = Drawn {
+            // The strategy counts a step without a sample itself (`enter_step_without_sample`).
+            batches: step.number as u64 + u64::from(next.is_some()),
+            samples: step.samples as u64,
+            global_samples: step.global_samples as u64,
+            full_step_samples: step.full_samples as u64,
+            steps: if step.last {
+                step.number as u64 + 1
+            } else {
+                u64::MAX
+            },
+            last_step_samples: if step.last {
+                step.global_samples as u64
+            } else {
+                u64::MAX
+            },
+            last_step_without_batch: if step.last {
+                world_size.saturating_sub(step.batches as u64)
+            } else {
+                0
+            },
+            ..self.drawn
+        };
+        Drawn::set_on_this_thread(Some(self.drawn));
+        next
+    }
+}
+
+impl<O> DataLoaderIterator<O> for DealtIterator<'_, O> {
+    /// One device's progress after the last step taken (the strategy reports it as it is, as
+    /// one device with an `N` times larger batch would).
+    fn progress(&self) -> Progress {
+        Progress::new(self.batches.step().items_after, self.total)
+    }
+}
+
+impl<O> Drop for DealtIterator<'_, O> {
+    /// The pass ends: what it drew no longer describes the thread's steps.
+    fn drop(&mut self) {
+        if crate::sampler::drawn_on_this_thread()
+            .is_some_and(|drawn| drawn.iteration == self.drawn.iteration)
+        {
+            Drawn::set_on_this_thread(None);
+        }
+    }
+}
