@@ -340,6 +340,9 @@ pub(super) enum Stall {
     GivenUp(String),
     /// No batch came within the timeout (another rank of the pass stopped reading its own).
     TimedOut(std::time::Duration),
+    /// The pass broke, with why: the loader panicked (a batcher's panic, say), its device
+    /// failed, or its thread could not start.
+    Broken(String),
 }
 
 impl Stall {
@@ -358,6 +361,11 @@ impl Stall {
                 rank,
                 loader,
                 waited,
+            },
+            // The loader's code failed for this rank, as a panic on its own thread would.
+            Stall::Broken(failure) => crate::error::DdpError::WorkerPanicked {
+                rank,
+                message: format!("the {loader} loader's pass failed: {failure}"),
             },
         }
     }
@@ -400,13 +408,10 @@ impl<O> Batches<'_, O> {
     /// for this rank is passed over.
     ///
     /// # Errors
-    /// [`Stall`]: `give_up` answered, or nothing came within `timeout`.
-    ///
-    /// # Panics
-    /// When the pass broke (the loader panicked, or its device failed), with why: on the rank's
-    /// thread, which the strategy reports as this rank's failure (`Iterator::next`, burn-train's
-    /// loader interface, has no error channel; a batch Burn's own loaders cannot build unwinds
-    /// the same way).
+    /// [`Stall`]: `give_up` answered, nothing came within `timeout`, or the pass broke (the
+    /// loader panicked on the pass's thread, or its device failed). A rank that iterates the
+    /// pass itself (alone in its process) unwinds from the loader's panic on its own thread, as
+    /// under Burn's own strategy.
     pub fn next_within(
         &mut self,
         give_up: &dyn Fn() -> Option<String>,
@@ -426,7 +431,7 @@ impl<O> Batches<'_, O> {
     /// [`next_within`](Self::next_within).
     ///
     /// # Errors
-    /// [`Stall`]: `give_up` answered, or nothing came within `timeout`.
+    /// [`Stall`], as [`next_within`](Self::next_within).
     pub fn next_step_within(
         &mut self,
         give_up: &dyn Fn() -> Option<String>,
@@ -466,7 +471,7 @@ impl<O> Batches<'_, O> {
                 Err(RecvTimeoutError::Timeout) => {}
             }
         };
-        let dealt = dealt.unwrap_or_else(|failure| panic!("{failure}"));
+        let dealt = dealt.map_err(Stall::Broken)?;
         self.progress = dealt.progress;
         self.index = Some(dealt.index);
         self.step = dealt.step;
@@ -619,6 +624,7 @@ mod tests {
         let loader: Arc<dyn DataLoader<NdArray, Vec<usize>>> = DataLoaderBuilder::new(Panicking)
             .batch_size(2)
             .build(InMemDataset::new((0..8).collect()));
+        // Alone in its process the rank reads the pass itself: the panic unwinds there.
         let dealer = Dealer::new(&loader, &Default::default(), 1, vec![0]);
         let mut batches = dealer.take(0);
         assert_eq!(batches.next(), Some(vec![0, 1]));
@@ -626,6 +632,33 @@ mod tests {
         let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| batches.next()));
         let message = crate::error::panic_message(failed.unwrap_err().as_ref());
         assert!(message.contains("item 5 cannot be batched"), "{message}");
+        // Two ranks of the process: the pass's thread catches it, and the rank reading the
+        // pass gets it as its error, not a short pass.
+        let dealer = Dealer::new(&loader, &Default::default(), 2, vec![0, 1]);
+        let (mut zero, _one) = (dealer.take(0), dealer.take(1));
+        let wait = std::time::Duration::from_secs(10);
+        let stall = loop {
+            match zero.next_within(&|| None, wait) {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the pass ended short instead of failing"),
+                Err(stall) => break stall,
+            }
+        };
+        match stall {
+            Stall::Broken(failure) => {
+                assert!(failure.contains("item 5 cannot be batched"), "{failure}");
+                match Stall::Broken(failure).into_error(0, "training") {
+                    crate::error::DdpError::WorkerPanicked { rank: 0, message } => {
+                        assert!(
+                            message.contains("training loader's pass failed"),
+                            "{message}"
+                        )
+                    }
+                    other => panic!("expected WorkerPanicked, got {other:?}"),
+                }
+            }
+            other => panic!("expected the broken pass, got {other:?}"),
+        }
     }
 
     #[test]

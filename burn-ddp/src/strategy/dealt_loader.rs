@@ -112,10 +112,10 @@ impl<O> Iterator for DealtIterator<'_, O> {
     /// takes part in the step without a sample) and after the pass.
     ///
     /// # Panics
-    /// When the pass broke (with why), or no batch came within the timeout or the group was
-    /// aborted meanwhile (with the [`DdpError`](crate::DdpError) the strategy reports:
-    /// `LoaderStalled`, or `Aborted` by the rank that failed): on the rank's thread
-    /// (`Iterator::next` has no error channel).
+    /// With the [`DdpError`](crate::DdpError) the strategy reports for this rank, on its thread
+    /// (`Iterator::next` has no error channel): `LoaderStalled` when no batch came within the
+    /// timeout, `Aborted` when a rank that failed aborted the group meanwhile, `WorkerPanicked`
+    /// when the pass broke (the loader panicked on the pass's thread, or its device failed).
     fn next(&mut self) -> Option<O> {
         let group = &self.group;
         let next = match self
