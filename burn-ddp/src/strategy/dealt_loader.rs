@@ -123,6 +123,8 @@ impl<O> Iterator for DealtIterator<'_, O> {
             .next_step_within(&|| group.aborted(), self.timeout)
         {
             Ok(next) => next?,
+            // The one way out of `Iterator::next` (burn-train's loader interface has no error
+            // channel): the rank's worker catches the payload and returns it as this `DdpError`.
             Err(stall) => std::panic::panic_any(stall.into_error(self.rank, "training")),
         };
         let step: Step = self.batches.step();
