@@ -519,8 +519,9 @@ fn step_checkpoints(dir: &Path) -> Vec<String> {
 fn a_synchronisation_spike_is_named_on_the_console() {
     // burn-train sends `tracing` to its experiment.log only (and nowhere when a program turns
     // its logger off): the spike warnings the docs promise went to neither console nor log.
-    // Rank 1 (a thread) straggles 800 ms in its 14th batch; rank 0 waits for it. A spike is
-    // over 1.1 times the median: under a loaded machine's slow steps 800 ms is still one.
+    // Rank 1 (a thread) straggles in its 14th batch (three times its longest step so far, at
+    // least 800 ms); rank 0 waits for it. A spike is over 1.1 times the median. (A fixed 800 ms
+    // failed once on a loaded CI machine: rank 0's own slow step hid the wait.)
     let args = [
         "--spike-factor",
         "1.1",

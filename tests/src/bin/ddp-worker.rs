@@ -33,8 +33,9 @@
 //! `mismatch-half` (rank 0 all-reduces f16, the others bf16).
 //! `--panic-rank R --panic-at-batch K`: rank R panics in its K-th batch (a failure the strategy
 //! sees, unlike `--fail-rank`'s exit).
-//! `--straggle-rank R --straggle-at-batch K`: rank R sleeps 800 ms in its K-th batch (its peers
-//! wait for it in that step's gradient synchronisation: a spike); `--spike-factor F`: a
+//! `--straggle-rank R --straggle-at-batch K`: rank R sleeps in its K-th batch, 800 ms or three
+//! times its longest step so far if longer (its peers wait for it in that step's gradient
+//! synchronisation, a spike even where a loaded machine makes every step slow); `--spike-factor F`: a
 //! synchronisation over F times the median is a spike (`DdpConfig::with_spike_factor`).
 
 use std::path::PathBuf;
@@ -262,8 +263,8 @@ fn main() -> ExitCode {
             ));
             std::process::exit(3);
         }
-        if straggle_rank == Some(rank) && batch == straggle_at {
-            std::thread::sleep(Duration::from_millis(800));
+        if straggle_rank == Some(rank) {
+            straggle(batch, straggle_at);
         }
         if panic_rank == Some(rank) && batch == panic_at {
             panic!("ddp-worker rank {rank}: panicking on purpose at batch {batch}");
@@ -497,4 +498,25 @@ fn err_line(line: String) {
 /// [`err_line`] on stdout.
 fn out_line(line: String) {
     let _ = std::io::Write::write_all(&mut std::io::stdout(), format!("{line}\n").as_bytes());
+}
+
+/// The straggler's hook, called at the start of each of its batches: in batch `at` it sleeps
+/// 800 ms, or three times the longest step it has seen if longer, so that its peers, whose
+/// compute of that step can be slowed as much as its own by a loaded machine, still wait for
+/// it (a fixed 800 ms was less than one slow step of the example CNN on a busy CI machine).
+fn straggle(batch: usize, at: usize) {
+    use std::cell::Cell;
+    use std::time::Instant;
+    thread_local! {
+        static LAST: Cell<Option<Instant>> = const { Cell::new(None) };
+        static LONGEST: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    }
+    let now = Instant::now();
+    if let Some(last) = LAST.get() {
+        LONGEST.set(LONGEST.get().max(now - last));
+    }
+    if batch == at {
+        std::thread::sleep(Duration::from_millis(800).max(3 * LONGEST.get()));
+    }
+    LAST.set(Some(Instant::now()));
 }
