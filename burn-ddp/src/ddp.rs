@@ -328,9 +328,12 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
             ..Position::default()
         };
         let mut options = options.clone();
-        if let (Some(shards), None) = (&self.shards, &options.keep) {
-            // Only this rank's parameters are stepped (`optimizer_step`): the others' are not
-            // copied back.
+        if let (Some(shards), None, true) =
+            (&self.shards, &options.keep, self.config.gradient_sharding())
+        {
+            // ZeRO stage 2: only this rank's parameters are stepped (`optimizer_step`), and
+            // only their reduced gradients come back. Under optimizer-state sharding alone every
+            // gradient does, as the setting promises (a loop may clip or log them first).
             options.keep = Some(shards.own());
         }
         let (outcome, in_step) = self.sync_at(model, grads, options, position)?;

@@ -44,6 +44,22 @@ pub struct CommStats {
     ///
     /// [`transfers_to_host`]: Self::transfers_to_host
     pub transfers_to_device: u64,
+    /// Reductions through host buckets, all-reduced (the CPU process groups, and thread
+    /// replicas that cannot share tensors): one per gradient synchronisation, two at a step
+    /// whose trainable tensors changed (the tensors trained since go in a second reduction),
+    /// the end-of-data check included. Which path ran, so that a test can say which it tested.
+    pub host_phases: u64,
+    /// Reductions reduce-scattered by owner, each rank keeping its own gradients
+    /// ([`DdpConfig::with_gradient_sharding`](crate::DdpConfig::with_gradient_sharding)), counted
+    /// as [`host_phases`](Self::host_phases).
+    pub scattered_phases: u64,
+    /// Reductions of device buckets (a group that reduces device tensors: NCCL), counted as
+    /// [`host_phases`](Self::host_phases).
+    pub device_phases: u64,
+    /// Reductions of tensors shared by reference between thread replicas on one device
+    /// ([`DdpConfig::with_shared_memory_reduction`](crate::DdpConfig::with_shared_memory_reduction)),
+    /// counted as [`host_phases`](Self::host_phases).
+    pub shared_phases: u64,
 }
 
 impl CommStats {
@@ -139,7 +155,7 @@ pub struct RankReport {
 
 impl RankReport {
     /// Words of [`to_words`](Self::to_words).
-    pub(crate) const WORDS: usize = 28;
+    pub(crate) const WORDS: usize = 32;
 
     /// The report as fixed-length words, for gathering every process's report on rank 0.
     pub(crate) fn to_words(&self) -> Vec<u64> {
@@ -174,6 +190,10 @@ impl RankReport {
             c.transfers_to_host,
             c.transfers_to_device,
             self.step_bus_bytes,
+            c.host_phases,
+            c.scattered_phases,
+            c.device_phases,
+            c.shared_phases,
         ]
     }
 
@@ -204,6 +224,10 @@ impl RankReport {
                 layout_changes: w[15],
                 transfers_to_host: w[25],
                 transfers_to_device: w[26],
+                host_phases: w[28],
+                scattered_phases: w[29],
+                device_phases: w[30],
+                shared_phases: w[31],
             },
             sync: SyncTimes {
                 count: w[16],
@@ -523,6 +547,10 @@ mod tests {
                 layout_changes: 1,
                 transfers_to_host: 80,
                 transfers_to_device: 79,
+                host_phases: 38,
+                scattered_phases: 3,
+                device_phases: 5,
+                shared_phases: 7,
             },
             sync: SyncTimes {
                 count: 40,

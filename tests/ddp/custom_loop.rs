@@ -380,3 +380,63 @@ fn the_strategy_settings_are_refused_by_the_wrapper_naming_them() {
         }
     }
 }
+
+#[test]
+fn optimizer_sharding_alone_leaves_every_rank_every_reduced_gradient() {
+    // ZeRO-1 (`with_optimizer_sharding`) all-reduces the gradients, as the setting says: a loop
+    // that reads them between `sync_gradients` and `optimizer_step` (clipping by the global
+    // norm, logging) sees every parameter's, on thread ranks sharing tensors and through host
+    // buckets. Only `with_gradient_sharding` (ZeRO-2) leaves each rank its own parameters'.
+    let items = synthetic_dataset(2 * PER_RANK, 5);
+    for (shared, grads_sharded) in [(true, false), (false, false), (false, true)] {
+        let model = materialized(TiedMlp::<TestBackend>::new(&device()));
+        let params = burn_ddp::mechanism::ReplicaLayout::of(&model)
+            .parameters()
+            .map(|p| p.id)
+            .collect::<std::collections::HashSet<_>>()
+            .len();
+        let groups = ThreadGroup::new_group(2).unwrap();
+        let seen: Vec<(usize, u64)> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .enumerate()
+                .map(|(rank, group)| {
+                    let (model, items) = (model.clone(), &items);
+                    s.spawn(move || {
+                        let config = DdpConfig::default()
+                            .with_optimizer_sharding(true)
+                            .with_gradient_sharding(grads_sharded)
+                            .with_shared_memory_reduction(shared);
+                        let (mut ddp, model) =
+                            DistributedDataParallel::new(Arc::new(group), model, &device(), config)
+                                .unwrap();
+                        let mine = &items[rank * PER_RANK..(rank + 1) * PER_RANK];
+                        let grads =
+                            GradientsParams::from_grads(loss(&model, mine).backward(), &model);
+                        let grads = ddp.sync_gradients(&model, grads).unwrap();
+                        (grads.len(), ddp.comm_stats().scattered_phases)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (held, scattered)) in seen.into_iter().enumerate() {
+            if grads_sharded {
+                assert!(
+                    held < params,
+                    "ZeRO-2, rank {rank}: {held} of {params} gradients"
+                );
+                assert_eq!(scattered, 1, "ZeRO-2, rank {rank}: reduce-scattered");
+            } else {
+                assert_eq!(
+                    held, params,
+                    "ZeRO-1 (tensors shared: {shared}), rank {rank}: gradients held"
+                );
+                assert_eq!(
+                    scattered, 0,
+                    "ZeRO-1 (tensors shared: {shared}), rank {rank}"
+                );
+            }
+        }
+    }
+}

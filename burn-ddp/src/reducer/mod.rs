@@ -1035,6 +1035,40 @@ mod tests {
     }
 
     #[test]
+    fn every_path_counts_its_reductions_and_no_other() {
+        // One reduction through each path: its own counter says 1, the others 0 (a refused
+        // shared exchange falls back to host buckets, and counts there).
+        let config = DdpConfig::default();
+        let options = ReduceOptions::default();
+        let counts = |c: &CommStats| {
+            [
+                c.host_phases,
+                c.scattered_phases,
+                c.device_phases,
+                c.shared_phases,
+            ]
+        };
+        for (path, expected) in [
+            (Path::Host, [1, 0, 0, 0]),
+            (Path::HostPerBucket, [1, 0, 0, 0]),
+            (Path::Scatter, [0, 1, 0, 0]),
+            (Path::ScatterPerBucket, [0, 1, 0, 0]),
+            // A keep that is not the owners' own: all-reduced after all.
+            (Path::ScatterForeignKeep, [1, 0, 0, 0]),
+            (Path::Device, [0, 0, 1, 0]),
+            (Path::Shared, [0, 0, 0, 1]),
+            (Path::SharedRefused, [1, 0, 0, 0]),
+        ] {
+            let ranks = reduce_two_with(path, &config, &options, |layer, rank| {
+                device_grads(layer, rank, false, 1.0)
+            });
+            for (rank, (_, _, _, stats)) in ranks.iter().enumerate() {
+                assert_eq!(counts(stats), expected, "{path:?}, rank {rank}");
+            }
+        }
+    }
+
+    #[test]
     fn device_buckets_reduce_exactly_like_host_buckets() {
         let config = DdpConfig::default();
         for options in [

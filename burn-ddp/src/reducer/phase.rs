@@ -58,7 +58,7 @@ impl Buckets {
         device: &B::Device,
     ) -> Result<Phase<B>> {
         let layout = work.layout;
-        Ok(match self {
+        let phase = match self {
             Buckets::Host(host) => {
                 let transfer = host.transfer::<B>();
                 let scattered = host
@@ -88,7 +88,15 @@ impl Buckets {
                     return Err(link.fail_bucket(0, "no host buckets to fall back on".into()));
                 }
             },
-        })
+        };
+        let stats = &mut link.stats;
+        *match phase {
+            Phase::Host(_) => &mut stats.host_phases,
+            Phase::Scatter(_) => &mut stats.scattered_phases,
+            Phase::Device(..) => &mut stats.device_phases,
+            Phase::Shared(_) => &mut stats.shared_phases,
+        } += 1;
+        Ok(phase)
     }
 
     /// Keeps an agreed phase's host buffers for the next step (its gradients are not used: not

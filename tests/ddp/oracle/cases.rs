@@ -78,6 +78,33 @@ pub(super) enum Clip {
     Wrapper,
 }
 
+/// What trains the model on the burn-ddp side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Driver {
+    /// burn-train's `SupervisedTraining` with `DdpStrategy` (plain Burn: `SingleDevice`).
+    Learner,
+    /// A training loop the user writes with `DistributedDataParallel` over a
+    /// `DistributedDataLoader` of each rank's shard (plain Burn: the same loop on one device over
+    /// Burn's loader): compared by the trained parameters, every rank's.
+    CustomLoop,
+}
+
+impl Model {
+    /// Whether a custom-loop case can train it: the loop unfreezes a layer itself, but calls no
+    /// model's `optimize` (a hook of burn-train's loop).
+    pub(super) fn in_custom_loop(self) -> bool {
+        matches!(
+            self,
+            Model::Plain
+                | Model::Frozen
+                | Model::Unfrozen
+                | Model::Tied
+                | Model::PartlyUnused
+                | Model::SyncBn
+        )
+    }
+}
+
 /// Whether burn-ddp's side is stopped and resumed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Resume {
@@ -104,9 +131,10 @@ pub(super) struct Case {
     pub clip: Clip,
     /// Optimizer-state sharding (ZeRO-1) on the burn-ddp side.
     pub shard: bool,
-    /// With `shard`: the gradients reduce-scattered by owner too (ZeRO-2,
-    /// `DdpConfig::with_gradient_sharding`); not with `Clip::Wrapper` (a user's `optimize` that
-    /// clips needs every gradient).
+    /// Where the optimizer state is sharded (`shard`, or the resumed leg of an
+    /// `Resume::AfterEpoch` case without `shard`): the gradients reduce-scattered by owner too
+    /// (ZeRO-2, `DdpConfig::with_gradient_sharding`); not with `Clip::Wrapper` (a user's
+    /// `optimize` that clips needs every gradient).
     pub shard_grads: bool,
     /// Training samples (any number: the last step may be short, or leave ranks without one).
     pub samples: usize,
@@ -138,6 +166,35 @@ pub(super) struct Case {
     /// resume (a fresh copy of a Burn loader restarts its generator, on one device too).
     pub train_burn: bool,
     pub resume: Resume,
+    /// Both sides stopped by burn-train's interrupter at this scheduler step (micro-batch,
+    /// counted from 1 over the run): plain Burn interrupted at the same batch is the reference.
+    pub interrupt_at: Option<usize>,
+    pub driver: Driver,
+}
+
+impl Case {
+    /// Micro-batches per epoch (the last one may be short).
+    pub(super) fn batches(&self) -> usize {
+        self.samples.div_ceil(self.global_batch)
+    }
+
+    /// Whether the leg that reports runs ZeRO-2: the optimizer state sharded (a resumed leg
+    /// after an epoch flips it) and the gradients reduce-scattered.
+    pub(super) fn reporting_zero2(&self) -> bool {
+        let shard = match self.resume {
+            Resume::AfterEpoch { .. } => !self.shard,
+            _ => self.shard,
+        };
+        shard && self.shard_grads
+    }
+
+    /// The world size of the leg that reports.
+    pub(super) fn reporting_world(&self) -> usize {
+        match self.resume {
+            Resume::AfterEpoch { world } => world,
+            _ => self.world,
+        }
+    }
 }
 
 /// A case with the defaults of the core set.
@@ -168,6 +225,8 @@ pub(super) fn base() -> Case {
         unchecked: false,
         train_burn: false,
         resume: Resume::No,
+        interrupt_at: None,
+        driver: Driver::Learner,
     }
 }
 
@@ -523,6 +582,99 @@ pub(super) fn core() -> Vec<Case> {
             model: Model::SyncBn,
             ..b
         },
+        // ZeRO-2 stopped and resumed (2 ranks: the owners' blocks even enough to
+        // reduce-scatter): mid-epoch through host buckets with a short last step, and after an
+        // epoch on 4 TCP ranks unsharded, resumed on 2 with the gradients reduce-scattered.
+        Case {
+            resume: Resume::MidEpoch,
+            transport: Transport::ThreadBuckets,
+            shard: true,
+            shard_grads: true,
+            samples: 58,
+            ..b
+        },
+        Case {
+            resume: Resume::AfterEpoch { world: 2 },
+            transport: Transport::Tcp,
+            world: 4,
+            shard_grads: true,
+            samples: 48,
+            epochs: 3,
+            ..b
+        },
+        // Interrupted inside an accumulation window (micro-batch 5 of windows of 2: plain Burn
+        // takes no step for it), at a window's last micro-batch (the step is taken, then
+        // training stops), over TCP, and without accumulation in the second epoch.
+        Case {
+            accumulation: Some(2),
+            interrupt_at: Some(5),
+            samples: 96,
+            ..b
+        },
+        Case {
+            accumulation: Some(3),
+            interrupt_at: Some(6),
+            world: 3,
+            global_batch: 12,
+            samples: 96,
+            shard: true,
+            ..b
+        },
+        Case {
+            accumulation: Some(2),
+            interrupt_at: Some(3),
+            transport: Transport::Tcp,
+            samples: 96,
+            ..b
+        },
+        Case {
+            interrupt_at: Some(5),
+            samples: 48,
+            ..b
+        },
+        // Custom loops: the MLP on 2 thread ranks; a shared weight sharded (ZeRO-2) through host
+        // buckets with a short last step and clipping; SyncBatchNorm over TCP; a layer unfrozen
+        // by the loop with micro-batches; a partly unused layer on 4 ranks with a user's
+        // clipping optimizer.
+        Case {
+            driver: Driver::CustomLoop,
+            ..b
+        },
+        Case {
+            driver: Driver::CustomLoop,
+            model: Model::Tied,
+            transport: Transport::ThreadBuckets,
+            shard: true,
+            shard_grads: true,
+            clip: Clip::Setting,
+            samples: 50,
+            ..b
+        },
+        Case {
+            driver: Driver::CustomLoop,
+            model: Model::SyncBn,
+            transport: Transport::Tcp,
+            opt: Opt::SgdMomentum,
+            ..b
+        },
+        Case {
+            driver: Driver::CustomLoop,
+            model: Model::Unfrozen,
+            accumulation: Some(2),
+            opt: Opt::AdamW,
+            sched: Scheduler::WarmupCosine,
+            samples: 80,
+            ..b
+        },
+        Case {
+            driver: Driver::CustomLoop,
+            model: Model::PartlyUnused,
+            clip: Clip::Wrapper,
+            world: 4,
+            samples: 64,
+            unchecked: true,
+            ..b
+        },
     ]
 }
 
@@ -610,6 +762,8 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         unchecked: rng.below(4) == 0,
         train_burn: transport != Transport::Tcp && !join && rng.below(3) == 0,
         resume: Resume::No,
+        interrupt_at: None,
+        driver: Driver::Learner,
     };
     if !model.exact() {
         // Enough samples, epochs and a learning rate to learn (one device's loss falls too):
@@ -622,7 +776,6 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         case.sched = Scheduler::Constant;
         case.clip = Clip::Off;
     }
-    case.shard_grads = case.shard && case.clip != Clip::Wrapper && rng.below(2) == 0;
     if let Some(micro_batches) = case.accumulation {
         // At least one optimizer step per epoch (its state is what sharding splits).
         case.samples = case.samples.max(micro_batches * case.global_batch);
@@ -662,9 +815,39 @@ pub(super) fn random(rng: &mut Rng) -> Case {
             Resume::No
         };
     }
+    // ZeRO-2 wherever the optimizer state is sharded (the resumed leg of a run resumed after an
+    // epoch flips the sharding).
+    let sharded_somewhere = case.shard || matches!(case.resume, Resume::AfterEpoch { .. });
+    case.shard_grads = sharded_somewhere && case.clip != Clip::Wrapper && rng.below(2) == 0;
     if case.resume != Resume::No || model == Model::SyncBn {
         // Resumed runs restart a Burn loader's generator; SyncBatchNorm needs every rank a
         // batch in the last step, which Burn's loader dealt to the ranks need not leave.
+        case.train_burn = false;
+    }
+    let plain = case.resume == Resume::No && model.exact();
+    // SyncBatchNorm's statistics keep the micro-batches burn-ddp still runs after an interrupt
+    // inside an accumulation window (docs/semantics.md): not drawn together.
+    let interruptible = !(model == Model::SyncBn && case.accumulation.is_some());
+    if plain && !join && interruptible && case.batches() * case.epochs >= 2 && rng.below(5) == 0 {
+        // Interrupted at any micro-batch from the second on (inside an accumulation window, at
+        // its last micro-batch, at an epoch's last step), both sides.
+        case.interrupt_at = Some(2 + rng.below(case.batches() * case.epochs - 1));
+    } else if plain && rng.below(6) == 0 {
+        // Early stopping on the validation loss, at times with a learning rate that makes it go
+        // up: with SGD (Adam's update turns the rounding of a sum in another order into steps of
+        // the learning rate's size, which the metrics' 1e-4 cannot absorb at this rate).
+        case.early_stopping = true;
+        case.high_lr = rng.below(2) == 0;
+        if case.high_lr {
+            case.opt = Opt::SgdMomentum;
+        }
+        case.epochs = 3 + rng.below(3);
+    } else if plain && !join && model.in_custom_loop() && rng.below(5) == 0 {
+        case.driver = Driver::CustomLoop;
+        // A user's clipping optimizer would clip each rank's own parameters only under sharding.
+        if case.shard && case.clip == Clip::Wrapper {
+            case.clip = Clip::Setting;
+        }
         case.train_burn = false;
     }
     case

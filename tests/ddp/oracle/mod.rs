@@ -14,17 +14,26 @@
 //! - with optimizer-state sharding, that the state really is split (every rank's share of the
 //!   report is below the whole).
 //!
+//! - which reduction ran, on every rank (`CommStats`'s phases by path): tensors shared between
+//!   thread ranks, host buckets all-reduced, or reduce-scattered by owner under ZeRO-2, as the
+//!   case configures (`paths.rs`), so that no path goes silently untested.
+//!
 //! Configurations are generated: a fixed core that covers every value of every dimension at
 //! least once, then a random tail whose seed is printed (set `BURN_DDP_ORACLE_SEED` to replay it
 //! and `BURN_DDP_ORACLE_CASES` for a longer sweep; `BURN_DDP_ORACLE_ONLY` runs the cases whose
 //! name contains it, e.g. `"random case 34 "`). The dimensions: models (frozen, unfrozen,
 //! tied, partly unused layers, SyncBatchNorm, a layer frozen in `optimize` after the step, an
 //! EMA teacher), optimizers and schedules, clipping (burn-ddp's setting or a user's optimizer
-//! wrapper), accumulation, sharding, datasets of any size (short last steps, ranks without a
-//! sample, fewer samples than ranks), join mode, validation loaders, early stopping, bucket
-//! caps, 1 to 8 thread ranks or 2 to 4 TCP ranks, and runs stopped and resumed (mid-epoch, or
-//! after an epoch on another world size with sharding flipped) into a model initialised
-//! otherwise: those are compared by their parameters.
+//! wrapper), accumulation, sharding (ZeRO-1 and ZeRO-2), datasets of any size (short last steps,
+//! ranks without a sample, fewer samples than ranks), join mode, validation loaders (Burn's own,
+//! shuffled, on every rank or rank 0 alone), Burn's own training loaders, early stopping, bucket
+//! caps, the consistency check off, 1 to 8 thread ranks (tensors shared or host buckets) or 2 to 4
+//! TCP ranks; runs stopped and resumed (mid-epoch, or after an epoch on another world size with
+//! sharding flipped, ZeRO-2 included) into a model initialised otherwise, compared by their
+//! parameters; runs interrupted by burn-train's interrupter at any micro-batch (inside an
+//! accumulation window too), against plain Burn interrupted at the same batch; and custom loops
+//! (`custom.rs`: `DistributedDataParallel` in a loop a user writes, against the same loop in
+//! plain Burn), compared by every rank's parameters.
 //!
 //! Not one device's by design, so checked for running, staying alike on every rank and learning
 //! (the last epoch's mean training loss below the first's): plain `BatchNorm` (per-replica
@@ -32,25 +41,28 @@
 //! draws). Burn's own *training* loaders (shuffled or not, of the per-replica batch) are drawn
 //! on thread ranks, where burn-ddp deals one device's batches to the ranks; between processes
 //! burn-ddp slices them (with a warning: not one device's steps), which the harness does not
-//! draw. Not drawn either (tested on their own, or not yet): ZeRO-2 stopped and resumed
-//! (`sharding.rs`), custom-loop cases (`custom_loop.rs`), runs interrupted inside an
-//! accumulation window (`equivalence.rs`), early stopping in the random tail, and which
-//! reduction path (reduce-scatter or its fallback, shared or copied tensors) a case ran.
+//! draw. Not drawn either: interrupts in join mode, with early stopping or inside a window with
+//! SyncBatchNorm (its statistics keep the window's remaining micro-batches), custom loops with
+//! models whose `optimize` hook acts (burn-train's, which a custom loop does not call), and the
+//! device paths (NCCL's buckets, wgpu: `wgpu.rs` and the GPU check).
 
 mod cases;
+mod custom;
 mod parts;
+mod paths;
 
 use burn_ddp::DdpConfig;
 use burn_ddp::config::UnevenInputs;
-use burn_ddp::metrics::TrainingReport;
+use burn_ddp::metrics::{CommStats, TrainingReport};
 use burn_ddp_tests::{
     BnCnn, DropoutMlp, FreezesAfterTwoSteps, Mlp, Recording, Run, SplitSeen, SyncBnCnn,
     TestBackend, TrainKind, WithTeacher, deterministic, device, float_tensors,
     max_relative_difference, over_tcp, run_training, with_values,
 };
 
-use cases::{Case, Clip, Model, Opt, Resume, Rng, Transport, core, random};
+use cases::{Case, Clip, Driver, Model, Opt, Resume, Rng, Transport, core, random};
 use parts::{Freezing, Optim, Sched, Slot, Special};
+use paths::Ran;
 
 // ----------------------------------------------------------------------------------------------
 // Running a case.
@@ -66,6 +78,8 @@ struct Observed {
     valid: SplitSeen,
     /// burn-ddp's report (rank 0's, with every rank's figures).
     report: Option<TrainingReport>,
+    /// Every rank's communication counters (burn-ddp's side).
+    comm: Vec<CommStats>,
 }
 
 /// How one training of a case differs from the case itself.
@@ -92,12 +106,26 @@ struct Leg {
 /// Runs `case` on one device (`None`) or on `replicas` ranks, resumed as the case says, on a
 /// fresh thread (models keep step counts in thread-locals) and returns what it observed.
 fn observe(case: &Case, replicas: Option<usize>) -> Observed {
+    if case.driver == Driver::CustomLoop {
+        return std::thread::scope(|s| {
+            s.spawn(|| custom::observe(case, replicas))
+                .join()
+                .unwrap_or_else(|payload| std::panic::resume_unwind(payload))
+        });
+    }
     let leg = Leg {
         replicas,
         ..Leg::default()
     };
     match (replicas, case.resume) {
-        (None, _) | (_, Resume::No) => observe_leg(case, &leg),
+        // Interrupted at the case's batch, if it says so: one device too.
+        (None, _) | (_, Resume::No) => observe_leg(
+            case,
+            &Leg {
+                stop_at: case.interrupt_at,
+                ..leg
+            },
+        ),
         (Some(_), Resume::MidEpoch) => {
             let dir = scratch(case);
             // Stopped mid-epoch: at the batch halfway through the run's first epoch, or its
@@ -216,7 +244,10 @@ fn run_of(case: &Case, leg: &Leg) -> Run {
     run.all_metrics = true;
     run.artifacts = leg.artifacts.clone();
     run.resume_after = leg.resume.flatten();
-    let mut config = DdpConfig::default();
+    let mut config = match replicas {
+        Some(_) => settings(case, leg.shard.unwrap_or(case.shard)),
+        None => DdpConfig::default(),
+    };
     if case.valid_rank0 {
         config = config.with_validation(burn_ddp::config::Validation::Rank0);
     }
@@ -224,22 +255,6 @@ fn run_of(case: &Case, leg: &Leg) -> Run {
         config = config.with_uneven_inputs(UnevenInputs::Join);
     }
     if replicas.is_some() {
-        if case.clip == Clip::Setting {
-            // burn-ddp's setting; plain Burn clips in its optimizer (`Optim`).
-            config = config.with_clip_grad_norm(CLIP);
-        }
-        // Thread ranks return rank 0's model only: every rank is compared every step.
-        config = config
-            .with_consistency_check_every(u64::from(!case.unchecked))
-            .with_optimizer_sharding(leg.shard.unwrap_or(case.shard))
-            .with_gradient_sharding(case.shard_grads && leg.shard.unwrap_or(case.shard))
-            .with_shared_memory_reduction(case.transport != Transport::ThreadBuckets)
-            .with_run_id("burn-ddp-oracle");
-        if let Some(cap) = case.bucket_cap {
-            config = config
-                .with_bucket_cap_bytes(cap)
-                .with_first_bucket_cap_bytes(cap);
-        }
         if leg.step_checkpoints {
             config = config.with_checkpoint_every(1);
         }
@@ -249,6 +264,29 @@ fn run_of(case: &Case, leg: &Leg) -> Run {
     }
     run.config = config;
     run
+}
+
+/// burn-ddp's settings of `case` (the strategy's and the custom loop's), the optimizer state
+/// sharded or not.
+fn settings(case: &Case, shard: bool) -> DdpConfig {
+    let mut config = DdpConfig::default();
+    if case.clip == Clip::Setting {
+        // burn-ddp's setting; plain Burn clips in its optimizer (`Optim`).
+        config = config.with_clip_grad_norm(CLIP);
+    }
+    // Thread ranks return rank 0's model only: every rank is compared every step.
+    config = config
+        .with_consistency_check_every(u64::from(!case.unchecked))
+        .with_optimizer_sharding(shard)
+        .with_gradient_sharding(case.shard_grads && shard)
+        .with_shared_memory_reduction(case.transport != Transport::ThreadBuckets)
+        .with_run_id("burn-ddp-oracle");
+    if let Some(cap) = case.bucket_cap {
+        config = config
+            .with_bucket_cap_bytes(cap)
+            .with_first_bucket_cap_bytes(cap);
+    }
+    config
 }
 
 /// Global-norm clipping threshold of the clipping cases.
@@ -331,12 +369,17 @@ fn train(case: &Case, run: &Run, leg: &Leg) -> Observed {
         ),
     };
     let (train, valid) = recording.seen();
+    let comm = report
+        .iter()
+        .flat_map(|r| r.ranks.iter().map(|rank| rank.comm.clone()))
+        .collect();
     Observed {
         tensors,
         others: Vec::new(),
         train,
         valid,
         report,
+        comm,
     }
 }
 
@@ -373,6 +416,7 @@ fn compare_split(
     one: &SplitSeen,
     ddp: &SplitSeen,
     epochs: usize,
+    extra: usize,
 ) -> Result<(), String> {
     let keep = |s: &SplitSeen| -> Vec<burn_ddp_tests::SeenItem> {
         s.items
@@ -382,9 +426,9 @@ fn compare_split(
             .collect()
     };
     let (one, ddp) = (keep(one), keep(ddp));
-    if one.len() != ddp.len() {
+    if one.len() + extra != ddp.len() {
         return Err(format!(
-            "{what}: {} items on one device, {} with burn-ddp",
+            "{what}: {} items on one device, {} with burn-ddp (expected {extra} more)",
             one.len(),
             ddp.len()
         ));
@@ -430,8 +474,9 @@ fn parameter_tolerance(case: &Case) -> f32 {
     }
 }
 
-/// Runs `case` both ways and returns the first difference (a failed run is one).
-fn differential(case: &Case) -> Result<(), String> {
+/// Runs `case` both ways and returns the reduction it ran, or the first difference (a failed
+/// run is one).
+fn differential(case: &Case) -> Result<Ran, String> {
     let run = |case: &Case, replicas| {
         std::panic::catch_unwind(|| observe(case, replicas)).map_err(|payload| {
             payload
@@ -442,7 +487,9 @@ fn differential(case: &Case) -> Result<(), String> {
         })
     };
     if !case.model.exact() {
-        return learns_alike(case, &run(case, Some(case.world))?);
+        let ddp = run(case, Some(case.world))?;
+        let ran = paths::reduced_as_configured(case, &ddp.comm)?;
+        return learns_alike(case, &ddp).map(|()| ran);
     }
     // The reference of an early-stopping case: plain Burn without early stopping over every
     // epoch, whose recorded losses say where to stop, then trained that far. (burn-train's own
@@ -464,8 +511,17 @@ fn differential(case: &Case) -> Result<(), String> {
         run(case, None)?
     };
     let ddp = run(case, Some(case.world))?;
-    if case.resume == Resume::No {
+    if case.resume == Resume::No && case.driver == Driver::Learner {
         same_course(case, &one, &ddp)?;
+    }
+    let ran = paths::reduced_as_configured(case, &ddp.comm)?;
+    // An interrupted leg that failed returns none: nothing would be compared.
+    if one.tensors.is_empty() || ddp.tensors.is_empty() {
+        return Err(format!(
+            "no trained tensors: {} on one device, {} with burn-ddp",
+            one.tensors.len(),
+            ddp.tensors.len()
+        ));
     }
     let diff = max_relative_difference(&ddp.tensors, &one.tensors);
     let tolerance = parameter_tolerance(case);
@@ -476,10 +532,16 @@ fn differential(case: &Case) -> Result<(), String> {
     }
     alike(&ddp)?;
     // The harness's optimizer checkpoints Adam's state only: the others report none.
-    if case.shard && case.world > 1 && case.resume == Resume::No && case.opt == Opt::Adam {
+    if case.shard
+        && case.world > 1
+        && case.resume == Resume::No
+        && case.opt == Opt::Adam
+        && case.driver == Driver::Learner
+        && case.interrupt_at.is_none()
+    {
         shards_split(&ddp)?;
     }
-    Ok(())
+    Ok(ran)
 }
 
 /// The epochs trained and every item seen are one device's.
@@ -503,8 +565,24 @@ fn same_course(case: &Case, one: &Observed, ddp: &Observed) -> Result<(), String
             "{one_epochs} epochs on one device, {ddp_epochs} with burn-ddp"
         ));
     }
-    compare_split("training", &one.train, &ddp.train, one_epochs)?;
-    compare_split("validation", &one.valid, &ddp.valid, one_epochs)
+    let extra = window_rest(case);
+    compare_split("training", &one.train, &ddp.train, one_epochs, extra)?;
+    compare_split("validation", &one.valid, &ddp.valid, one_epochs, 0)
+}
+
+/// The micro-batches burn-ddp still runs after an interrupt inside an accumulation window, where
+/// plain Burn stops at once: the rest of the window (the ranks learn of the stop at the window's
+/// gradient reduction; those micro-batches' items reach burn-train, docs/semantics.md). Neither
+/// side takes the window's optimizer step.
+fn window_rest(case: &Case) -> usize {
+    match (case.interrupt_at, case.accumulation) {
+        (Some(at), Some(every)) => {
+            let batches = case.batches();
+            let within = (at - 1) % batches + 1;
+            (within.div_ceil(every) * every).min(batches) - within
+        }
+        _ => 0,
+    }
 }
 
 /// Every rank holds rank 0's tensors (TCP ranks return theirs; thread ranks were compared every
@@ -584,10 +662,26 @@ fn burn_ddp_trains_and_reports_as_plain_burn_on_one_device() {
         only.as_ref()
             .is_none_or(|only| name.contains(only.as_str()))
     });
+    // The reductions the core ran: every path at least once, or one is silently untested.
+    let mut core_ran = std::collections::BTreeSet::new();
     for (name, case) in chosen {
-        if let Err(difference) = differential(case) {
-            failures.push(format!("{name}: {case:?}\n  {difference}"));
+        match differential(case) {
+            Ok(ran) => {
+                // Shown with `--nocapture`.
+                println!("{name}: reduced as {ran:?}");
+                if name.starts_with("core") {
+                    core_ran.insert(ran);
+                }
+            }
+            Err(difference) => failures.push(format!("{name}: {case:?}\n  {difference}")),
         }
+    }
+    let missing: Vec<Ran> = Ran::ALL
+        .into_iter()
+        .filter(|ran| !core_ran.contains(ran))
+        .collect();
+    if only.is_none() && !missing.is_empty() {
+        failures.push(format!("the core ran no case through {missing:?}"));
     }
     // The early-stopping cases must stop early, or they test nothing.
     for case in early_stopping {
