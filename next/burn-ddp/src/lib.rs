@@ -1,0 +1,40 @@
+//! # burn-ddp on Burn 0.22.1 (the port, issue 38; not yet the published crate)
+//!
+//! The root workspace's burn-ddp, on Burn 0.22.1's API (no backend type parameter: a runtime
+//! `Device`, `Tensor<D, K>`, `Module` and its visitors without `B`), grown here module by module
+//! until it replaces the root crate in one commit. Ported so far (stage 2 of
+//! `../shared/BURN-0.22.md`): the gradient [`Reducer`](mechanism::Reducer) with every kind of
+//! bucket (host, reduce-scattered, device, shared between thread replicas), its communication
+//! hooks ([`hooks`]) and counters ([`metrics::CommStats`]), what a replica holds and how its
+//! values move between ranks, the lockstep words that ride with the gradients, the balanced
+//! partition of parameters between owners, 16-bit gradients on the wire, the settings
+//! ([`config`]) and the error type. Their behaviour is the root crate's; the tests are its tests,
+//! ported (on Burn's Flex backend, which 0.23 keeps).
+
+#![warn(missing_docs)]
+
+// Until the reducer, the strategy and the custom loop that call them are ported (stage 2 on),
+// some of their crate-private items have no caller here.
+#[allow(dead_code)]
+mod compress;
+#[allow(dead_code)]
+pub mod config;
+#[allow(dead_code)]
+mod error;
+#[allow(dead_code)]
+pub mod hooks;
+#[allow(dead_code)]
+mod lockstep;
+pub mod mechanism;
+#[allow(dead_code)]
+pub mod metrics;
+#[allow(dead_code)]
+mod partition;
+#[allow(dead_code)]
+mod reducer;
+#[allow(dead_code)]
+mod replica;
+
+pub use burn_ddp_comm::group::ProcessGroup;
+pub use config::DdpConfig;
+pub use error::{DdpError, Result};
