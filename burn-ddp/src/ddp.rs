@@ -171,10 +171,11 @@ impl<B: AutodiffBackend> DistributedDataParallel<B> {
     /// Averages `grads` (from `GradientsParams::from_grads(loss.backward(), model)`) across all
     /// ranks, bucket by bucket; every rank must call it once per optimizer step, with the model
     /// the gradients come from. The result is bit-identical on every rank; with
-    /// [`DdpConfig::with_optimizer_sharding`] it holds only this rank's own parameters'
-    /// gradients (on the CPU groups), so step with
-    /// [`optimizer_step`](Self::optimizer_step), not `optim.step` (which would then train this
-    /// rank's share alone).
+    /// [`DdpConfig::with_optimizer_sharding`] it holds every parameter's reduced gradient (clip
+    /// or log them here), and with [`DdpConfig::with_gradient_sharding`] too (ZeRO-2) only this
+    /// rank's own parameters' (reduce-scattered, on the CPU groups); either way step with
+    /// [`optimizer_step`](Self::optimizer_step), not `optim.step` (which would not share the
+    /// step between the ranks).
     ///
     /// The configuration's step settings apply: clipping by the global norm
     /// ([`DdpConfig::with_clip_grad_norm`]); non-finite gradients

@@ -47,7 +47,8 @@ pub struct CommStats {
     /// Reductions through host buckets, all-reduced (the CPU process groups, and thread
     /// replicas that cannot share tensors): one per gradient synchronisation, two at a step
     /// whose trainable tensors changed (the tensors trained since go in a second reduction),
-    /// the end-of-data check included. Which path ran, so that a test can say which it tested.
+    /// the end-of-data check included (with one rank, none but that check: the gradients are
+    /// handed back as they are). Which path ran, so that a test can say which it tested.
     pub host_phases: u64,
     /// Reductions reduce-scattered by owner, each rank keeping its own gradients
     /// ([`DdpConfig::with_gradient_sharding`](crate::DdpConfig::with_gradient_sharding)), counted

@@ -394,8 +394,10 @@ pub(super) fn core() -> Vec<Case> {
             ..b
         },
         // The gradients reduce-scattered too (ZeRO-2): thread ranks through host buckets with
-        // clipping, a short last step and a frozen layer; TCP with SyncBatchNorm and a layer
-        // unfrozen later.
+        // clipping, a short last step and a frozen layer (3 ranks: the owners' blocks too uneven,
+        // so all-reduced, the fallback); TCP with SyncBatchNorm and a layer unfrozen later (2
+        // ranks: reduce-scattered); 2 thread ranks through host buckets with clipping and a
+        // short last step, reduce-scattered.
         Case {
             transport: Transport::ThreadBuckets,
             shard: true,
@@ -414,6 +416,14 @@ pub(super) fn core() -> Vec<Case> {
             model: Model::Unfrozen,
             opt: Opt::AdamW,
             accumulation: Some(2),
+            ..b
+        },
+        Case {
+            transport: Transport::ThreadBuckets,
+            shard: true,
+            shard_grads: true,
+            clip: Clip::Setting,
+            samples: 50,
             ..b
         },
         Case {
@@ -675,6 +685,25 @@ pub(super) fn core() -> Vec<Case> {
             unchecked: true,
             ..b
         },
+        // ZeRO-1 alone in a loop that clips by the global norm between the synchronisation and
+        // the step (every reduced gradient is there), through host buckets and shared tensors.
+        Case {
+            driver: Driver::CustomLoop,
+            shard: true,
+            clip: Clip::Wrapper,
+            transport: Transport::ThreadBuckets,
+            samples: 50,
+            ..b
+        },
+        Case {
+            driver: Driver::CustomLoop,
+            shard: true,
+            clip: Clip::Wrapper,
+            world: 3,
+            global_batch: 12,
+            samples: 48,
+            ..b
+        },
     ]
 }
 
@@ -844,8 +873,9 @@ pub(super) fn random(rng: &mut Rng) -> Case {
         case.epochs = 3 + rng.below(3);
     } else if plain && !join && model.in_custom_loop() && rng.below(5) == 0 {
         case.driver = Driver::CustomLoop;
-        // A user's clipping optimizer would clip each rank's own parameters only under sharding.
-        if case.shard && case.clip == Clip::Wrapper {
+        // The loop clips between the synchronisation and the step: every gradient is there but
+        // under ZeRO-2.
+        if case.shard_grads && case.clip == Clip::Wrapper {
             case.clip = Clip::Setting;
         }
         case.train_burn = false;

@@ -21,8 +21,8 @@ use burn_ddp::{
     DdpError, DistributedDataLoader, DistributedDataParallel, DistributedSampler, ProcessGroup,
 };
 use burn_ddp_tests::{
-    Batch, BnCnn, ItemBatcher, Mlp, Permuted, SplitSeen, SyncBnCnn, TestBackend, deterministic,
-    device, float_tensors, over_tcp, synthetic_dataset, with_values,
+    Batch, BnCnn, ItemBatcher, Mlp, Permuted, SplitSeen, SyncBnCnn, TestBackend, clip_global_norm,
+    deterministic, device, float_tensors, over_tcp, synthetic_dataset, with_values,
 };
 
 use super::cases::{Case, Clip, Model, Transport};
@@ -264,9 +264,10 @@ where
         case.global_batch / world,
         device(),
     )?;
-    // burn-ddp clips with its setting; a user's clipping optimizer clips here (not sharded).
-    let clip = (case.clip == Clip::Wrapper).then_some(CLIP);
-    let mut optim = Optim::<M>::new(case.opt, clip);
+    // burn-ddp clips with its setting, or the loop clips the synchronised gradients by their
+    // global norm before the step (`Clip::Wrapper`: every reduced gradient is there but under
+    // ZeRO-2, which the cases do not draw with it).
+    let mut optim = Optim::<M>::new(case.opt, None);
     let mut lr = Sched::build(case, None);
     let _sync_bn = ddp.enter_sync_batch_norm();
     let mut steps = 0;
@@ -287,6 +288,10 @@ where
                 continue;
             };
             let grads = ddp.sync_gradients(&model, grads)?;
+            let grads = match case.clip {
+                Clip::Wrapper => clip_global_norm(&model, grads, CLIP),
+                Clip::Off | Clip::Setting => grads,
+            };
             model = ddp.optimizer_step(&mut optim, rate, model, grads)?;
             steps += 1;
             model = after_step(model, steps);

@@ -55,16 +55,25 @@ pub(super) fn reduced_as_configured(case: &Case, comm: &[CommStats]) -> Result<R
             (1, _) if c.device_phases == 0 => Some(Ran::Alone),
             (1, _) => None,
             _ if c.device_phases > 0 => None,
-            (_, Transport::Threads) if c.host_phases == 0 && c.scattered_phases == 0 => {
+            (_, Transport::Threads)
+                if c.shared_phases > 0 && c.host_phases == 0 && c.scattered_phases == 0 =>
+            {
                 Some(Ran::Shared)
             }
             (_, Transport::Threads) => None,
             _ if c.shared_phases > 0 => None,
-            _ if !scattered && c.scattered_phases == 0 => Some(Ran::Host),
-            _ if scattered && c.scattered_phases > 0 && (c.host_phases == 0 || changes_trained) => {
+            _ if !scattered && c.host_phases > 0 && c.scattered_phases == 0 => Some(Ran::Host),
+            // A second phase at each step whose trainable tensors changed, no other.
+            _ if scattered
+                && c.scattered_phases > 0
+                && (c.host_phases == 0
+                    || (changes_trained && c.host_phases <= c.layout_changes)) =>
+            {
                 Some(Ran::Scattered)
             }
-            _ if scattered && c.scattered_phases == 0 => Some(Ran::ScatterFallback),
+            _ if scattered && c.host_phases > 0 && c.scattered_phases == 0 => {
+                Some(Ran::ScatterFallback)
+            }
             _ => None,
         };
         let Some(this) = this.filter(|this| ran.is_none_or(|ran| ran == *this)) else {
