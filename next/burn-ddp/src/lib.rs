@@ -8,7 +8,8 @@
 //! hooks ([`hooks`]) and counters ([`metrics::CommStats`]), what a replica holds and how its
 //! values move between ranks, the lockstep words that ride with the gradients, the balanced
 //! partition of parameters between owners, 16-bit gradients on the wire, the settings
-//! ([`config`]) and the error type. Their behaviour is the root crate's; the tests are its tests,
+//! ([`config`]), the sampler and its loader ([`DistributedSampler`], [`DistributedDataLoader`],
+//! whose iterator yields Burn 0.22's `Result<O, DatasetError>`) and the error type. Their behaviour is the root crate's; the tests are its tests,
 //! ported (on Burn's Flex backend, which 0.23 keeps).
 
 #![warn(missing_docs)]
@@ -19,6 +20,8 @@
 mod compress;
 #[allow(dead_code)]
 pub mod config;
+#[allow(dead_code)]
+mod context;
 #[allow(dead_code)]
 mod error;
 #[allow(dead_code)]
@@ -34,7 +37,11 @@ mod partition;
 mod reducer;
 #[allow(dead_code)]
 mod replica;
+#[allow(dead_code)]
+mod sampler;
 
 pub use burn_ddp_comm::group::ProcessGroup;
 pub use config::DdpConfig;
+pub use context::{is_main_process, rank, world_size};
 pub use error::{DdpError, Result};
+pub use sampler::{DistributedDataLoader, DistributedSampler};
