@@ -359,8 +359,8 @@ impl DdpConfig {
         self.spike_factor
     }
 
-    /// Shards the optimizer state (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`), with the
-    /// learner's optimizer wrapped in [`ShardedOptimizer`](crate::ShardedOptimizer): each rank
+    /// Shards the optimizer state (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`), around
+    /// Burn's own `ModuleOptimizer` (no wrapper: the sharding is in the optimizer step): each rank
     /// owns a share of the parameters (whole tensors, the trainable bytes balanced: see
     /// [`OptimizerShards`](crate::mechanism::OptimizerShards)), runs the optimizer step on its own
     /// parameters only, so Burn's optimizer keeps state (Adam's two moments) for those only, and
@@ -373,10 +373,9 @@ impl DdpConfig {
     /// ([`with_gradient_sharding`](Self::with_gradient_sharding) reduce-scatters them instead). Checkpoints hold the whole optimizer
     /// state (gathered on rank 0), so a run resumes with another world size or without sharding;
     /// while one is written, rank 0 holds the whole state again and every rank every share in
-    /// host memory. [`DdpStrategy`](crate::DdpStrategy) refuses an optimizer that is not wrapped
-    /// (at the first step) and a record that is not kept per parameter (at start-up);
+    /// host memory.
     /// [`DistributedDataParallel::optimizer_step`](crate::DistributedDataParallel::optimizer_step)
-    /// shards any of Burn's optimizers itself. Limits: the parameters' all-gather
+    /// shards any `ModuleOptimizer` (parameter groups included). Limits: the parameters' all-gather
     /// goes through host memory (NCCL's too), and the first steps' check that every rank runs the
     /// same optimizer cannot see a difference (the all-gather makes the parameters equal).
     /// Default `false`. Every rank must use the same setting, and under sharding the same
