@@ -709,16 +709,18 @@ mod tests {
     const ROWS: usize = 12;
 
     fn net() -> Net {
-        let device = test_device();
+        net_on(&test_device())
+    }
+
+    fn net_on(device: &Device) -> Net {
         Net {
-            a: LinearConfig::new(4, 5).init(&device),
-            b: LinearConfig::new(5, 2).init(&device),
+            a: LinearConfig::new(4, 5).init(device),
+            b: LinearConfig::new(5, 2).init(device),
         }
     }
 
     /// Step `step`'s inputs and targets, rows `rows` of them.
-    fn batch(step: usize, rows: std::ops::Range<usize>) -> (Tensor<2>, Tensor<2>) {
-        let device = test_device();
+    fn batch(step: usize, rows: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<2>) {
         let value = |row: usize, col: usize, salt: usize| {
             (((row * 7 + col * 3 + step * 11 + salt) % 17) as f32 - 8.0) / 8.0
         };
@@ -731,14 +733,14 @@ mod tests {
             .flat_map(|r| (0..2).map(move |c| value(r, c, 5)))
             .collect();
         (
-            Tensor::from_data(TensorData::new(x, [n, 4]), &device),
-            Tensor::from_data(TensorData::new(y, [n, 2]), &device),
+            Tensor::from_data(TensorData::new(x, [n, 4]), device),
+            Tensor::from_data(TensorData::new(y, [n, 2]), device),
         )
     }
 
-    /// The mean squared error of `model` on step `step`'s rows `rows`.
+    /// The mean squared error of `model` on step `step`'s rows `rows` (on the model's device).
     fn loss(model: &Net, step: usize, rows: std::ops::Range<usize>) -> Tensor<1> {
-        let (x, y) = batch(step, rows);
+        let (x, y) = batch(step, rows, &model.a.weight.device());
         let out = model.b.forward(model.a.forward(x).tanh());
         (out - y).powi_scalar(2).mean()
     }
@@ -756,30 +758,35 @@ mod tests {
         (model, optim)
     }
 
-    /// burn-ddp on `world` thread ranks, each on its shard of every batch, from `model` and
-    /// each rank's optimizer `optim(ddp, model)`: every rank's model after `steps`, and rank 0's
-    /// whole optimizer record.
+    /// burn-ddp on `world` thread ranks, each on its shard of every batch, from `model` (on its
+    /// device) and each rank's optimizer `optim(ddp, model)`: every rank's model after `steps`
+    /// and bytes of optimizer state, and rank 0's whole optimizer record.
     fn ddp(
         model: &Net,
         world: usize,
         config: &DdpConfig,
         steps: std::ops::Range<usize>,
         optim: impl Fn(&DistributedDataParallel, &Net) -> ModuleOptimizer + Sync,
-    ) -> (Vec<Net>, Option<OptimizerRecord>) {
+    ) -> (Vec<Net>, Vec<u64>, Option<OptimizerRecord>) {
         let groups = ThreadGroup::new_group(world).unwrap();
         let per = ROWS / world;
-        let results: Vec<(Net, Option<OptimizerRecord>)> = std::thread::scope(|s| {
+        let device = model.a.weight.device();
+        let results: Vec<(Net, u64, Option<OptimizerRecord>)> = std::thread::scope(|s| {
             let handles: Vec<_> = groups
                 .into_iter()
                 .enumerate()
                 .map(|(rank, group)| {
-                    let (model, config, steps, optim) =
-                        (model.clone(), config.clone(), steps.clone(), &optim);
+                    let (model, config, steps, optim, device) = (
+                        model.clone(),
+                        config.clone(),
+                        steps.clone(),
+                        &optim,
+                        device.clone(),
+                    );
                     s.spawn(move || {
                         let group: Arc<dyn ProcessGroup> = Arc::new(group);
                         let (mut ddp, mut model) =
-                            DistributedDataParallel::new(group, model, &test_device(), config)
-                                .unwrap();
+                            DistributedDataParallel::new(group, model, &device, config).unwrap();
                         let mut optim = optim(&ddp, &model);
                         for step in steps {
                             let rows = rank * per..(rank + 1) * per;
@@ -790,24 +797,25 @@ mod tests {
                             let grads = ddp.sync_gradients(&model, grads).unwrap();
                             model = ddp.optimizer_step(&mut optim, 1e-2, model, grads).unwrap();
                         }
+                        let state =
+                            crate::sharding::state::optimizer_state_bytes(optim.to_record())
+                                .unwrap();
                         let record = ddp
                             .gather_optimizer_record(&model, optim.to_record())
                             .unwrap();
-                        (model, record)
+                        (model, state, record)
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let mut record = None;
-        let models = results
-            .into_iter()
-            .map(|(model, r)| {
-                record = record.take().or(r);
-                model
-            })
-            .collect();
-        (models, record)
+        let (mut models, mut states, mut record) = (Vec::new(), Vec::new(), None);
+        for (model, state, r) in results {
+            models.push(model);
+            states.push(state);
+            record = record.take().or(r);
+        }
+        (models, states, record)
     }
 
     /// Every parameter of `model` as `f32` values, registration order.
@@ -849,7 +857,16 @@ mod tests {
 
     #[test]
     fn every_rank_trains_as_plain_burn_on_the_whole_batch_with_and_without_sharding() {
-        let start = net();
+        // On Burn's default autodiff device, and on one that checkpoints the gradients (which
+        // the parameters taken from other ranks must keep, as their inputs have it).
+        for device in [test_device(), test_device().gradient_checkpointing()] {
+            trains_as_plain_burn_on(&device);
+        }
+    }
+
+    fn trains_as_plain_burn_on(device: &Device) {
+        let start = net_on(device);
+        let layout = crate::replica::ReplicaLayout::of(&start);
         let (reference, _) = plain(start.clone(), adam(), 0..4);
         let settings = [
             ("no sharding", DdpConfig::default()),
@@ -870,8 +887,17 @@ mod tests {
         for world in [2, 3] {
             for (name, config) in &settings {
                 let config = config.clone().with_timeout(Duration::from_secs(30));
-                let (models, _) = ddp(&start, world, &config, 0..4, |_, _| adam());
-                assert_as_plain(&models, &reference, &format!("{name}, {world} ranks"));
+                let case = format!("{name}, {world} ranks, {device:?}");
+                let (models, states, _) = ddp(&start, world, &config, 0..4, |_, _| adam());
+                assert_as_plain(&models, &reference, &case);
+                // Adam's two moments of the parameters each rank steps: its own under sharding.
+                for (rank, state) in states.iter().enumerate() {
+                    let stepped = match config.optimizer_sharding() {
+                        true => OptimizerShards::new(&layout, rank, world).bytes_per_rank()[rank],
+                        false => layout.parameters().map(|t| (t.numel() * 4) as u64).sum(),
+                    };
+                    assert_eq!(*state, 2 * stepped, "{case}: rank {rank}'s optimizer state");
+                }
             }
         }
     }
@@ -896,7 +922,7 @@ mod tests {
                 .with_gradient_sharding(true)
                 .with_timeout(Duration::from_secs(30));
             // Each rank resumes its own share of the saved state.
-            let (models, record) = ddp(&saved_model, world, &config, 2..4, |ddp, model| {
+            let (models, _, record) = ddp(&saved_model, world, &config, 2..4, |ddp, model| {
                 let whole = OptimizerRecord::from_bytes(saved.clone()).unwrap();
                 let own = ddp.own_optimizer_record(model, whole).unwrap();
                 adam().load_record(own)

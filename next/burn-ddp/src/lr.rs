@@ -79,8 +79,9 @@ impl LinearScalingWarmup {
     }
 }
 
-/// The key of the optimizer steps taken in [`LinearScalingWarmup`]'s record.
-const STEP_KEY: &str = "step";
+/// The key of the optimizer steps taken in [`LinearScalingWarmup`]'s record (named for it: Burn's
+/// Noam and sequential schedulers keep a `"step"` of their own).
+const STEP_KEY: &str = "linear_scaling_warmup.step";
 
 impl LrScheduler for LinearScalingWarmup {
     fn step(&mut self) -> LearningRate {
@@ -92,7 +93,7 @@ impl LrScheduler for LinearScalingWarmup {
         self.base + (self.scaled - self.base) * t as f64 / self.warmup_steps as f64
     }
 
-    /// The optimizer steps taken so far, under `"step"`.
+    /// The optimizer steps taken so far, under `"linear_scaling_warmup.step"`.
     fn to_record(&self) -> LrSchedulerRecord {
         LrSchedulerRecord::new().with_scalar(STEP_KEY, self.step as u64)
     }
@@ -135,7 +136,7 @@ mod tests {
         assert_eq!(resumed.step(), lr.step());
         // A record of another scheduler leaves the ramp where it is.
         let mut fresh = LinearScalingWarmup::new(0.1, 32, 64, 4).unwrap();
-        fresh.load_record(LrSchedulerRecord::new().with_scalar("iter_idx", 3i32));
+        fresh.load_record(LrSchedulerRecord::new().with_scalar("step", 3u64));
         assert_eq!(fresh.step(), 0.1);
     }
 

@@ -2,8 +2,9 @@
 //! reference: each rank shares the tensors it owns and stepped
 //! ([`all_gather_shared`](burn_ddp_comm::group::ExtendedCollectives::all_gather_shared)) and takes the
 //! others' as they are, with no copy through host memory. Each taken tensor becomes a fresh leaf
-//! of this replica's autodiff graph (the inner backend's tensor, shared; a new node of its own),
-//! with the parameter's id and whether it requires gradients. Every place takes its owner's
+//! of this replica's autodiff graph (the tensor without autodiff, shared; a new node of its own),
+//! with the parameter's id, whether it requires gradients, its gradient-checkpointing strategy
+//! and whether it is distributed. Every place takes its owner's
 //! tensor of that place: a weight reachable from two places is stepped at its first place only
 //! by Burn's optimizer (the gradient is taken there), so its places may differ after a step on
 //! one device too, and the replicas take them as the owner has them.
@@ -33,8 +34,7 @@ struct Stepped {
 /// finds the same), so the caller gathers through host memory instead.
 ///
 /// # Errors
-/// The exchange's; [`DdpError::Device`] when this rank's step cannot be finished before it is
-/// shared.
+/// The exchange's; [`DdpError::InvalidConfig`] when a rank shared another kind of value.
 pub(super) fn share_stepped<M: Module>(
     module: M,
     own: &[bool],
@@ -139,11 +139,21 @@ impl ModuleMapper for Put {
         let (id, tensor, mapper) = param.consume();
         let dims: [usize; D] = tensor.shape().dims();
         let mut value = flat.reshape(dims);
+        // What the place's tensor carries besides its values, as Burn's optimizer keeps it
+        // (`ParameterContext`): `autodiff()` alone would lift the value with the default
+        // gradient-checkpointing strategy, and a parameter whose strategy differs from its
+        // inputs' is refused at the next forward pass.
         if tensor.is_autodiff() {
             value = value.autodiff();
+            if let Some(strategy) = tensor.gradient_checkpointing_strategy() {
+                value = value.with_gradient_checkpointing_strategy(strategy);
+            }
         }
         if tensor.is_require_grad() {
             value = value.require_grad();
+        }
+        if tensor.is_distributed() {
+            value = value.set_distributed(id);
         }
         Param::from_mapped_value(id, value, mapper)
     }

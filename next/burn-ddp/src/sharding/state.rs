@@ -197,9 +197,8 @@ pub(crate) fn own_record(
 /// memory). Every rank must call it.
 ///
 /// # Errors
-/// [`DdpError::Checkpoint`] when a share cannot be read or written as burnpack;
-/// [`DdpError::InvalidConfig`] when the ranks' models have different numbers of float tensors;
-/// the collectives' errors.
+/// [`DdpError::Checkpoint`] when a share cannot be read or written as burnpack (this rank's
+/// aborts the group); the collectives' errors.
 pub(crate) fn gather_record(
     shards: &OptimizerShards,
     keys: &Keys,
@@ -208,22 +207,27 @@ pub(crate) fn gather_record(
     timeout: Duration,
 ) -> Result<Option<OptimizerRecord>> {
     let (rank, world_size) = (group.rank(), group.world_size());
-    let count = keys.of_index.len();
+    // The ranks' models have one layout (agreed when the wrapper was built), so the id lists
+    // have one length; a different one is the all-gather's `CommError::Mismatch`.
     let ids = group.all_gather(&keys.of_index, timeout)?;
-    if ids.len() != count * world_size {
-        let err = DdpError::InvalidConfig(format!(
-            "rank {rank}: gathering the optimizer state, the ranks' models have different \
-             numbers of float tensors ({} ids over {world_size} ranks, {count} here)",
-            ids.len()
-        ));
-        group.abort(&err.to_string());
-        return Err(err);
-    }
-    let rank0 = &ids[..count];
-    let mut own = Entries::of(record, "this rank's optimizer state")?;
-    own.retain(|id| id.map_or(rank == 0, |id| keys.kept_by(shards, id, rank)));
-    own.rekey(|id| keys.index_of.get(&id).map(|&index| rank0[index]));
-    let bytes = own.bytes()?;
+    let rank0 = &ids[..keys.of_index.len().min(ids.len())];
+    let share = Entries::of(record, "this rank's optimizer state").and_then(|mut own| {
+        own.retain(|id| id.map_or(rank == 0, |id| keys.kept_by(shards, id, rank)));
+        own.rekey(|id| {
+            keys.index_of
+                .get(&id)
+                .and_then(|&index| rank0.get(index).copied())
+        });
+        own.bytes()
+    });
+    let bytes = match share {
+        Ok(bytes) => bytes,
+        Err(err) => {
+            // The others are about to wait for this rank's share: they fail now, with the cause.
+            group.abort(&err.to_string());
+            return Err(err);
+        }
+    };
     let lengths = group.all_gather(&[bytes.len() as u64], timeout)?;
     let longest = lengths.iter().copied().max().unwrap_or(0) as usize;
     let block = longest.div_ceil(4);
@@ -300,14 +304,28 @@ mod tests {
         (net, optim.to_record())
     }
 
-    /// `record`'s tensors by name, as bytes, and its scalars by key.
+    /// `record`'s tensors by name, as bytes, and its scalars by key; each tensor's parameter id
+    /// is the one its name starts with, and each parameter keeps its path.
     fn contents(record: OptimizerRecord) -> (BTreeMap<String, Vec<u8>>, BTreeMap<String, Scalar>) {
         let entries = Entries::of(record, "a test record").unwrap();
+        let mut with_path: Vec<u64> = entries.paths.keys().map(|k| id_of(k).unwrap()).collect();
+        let mut with_state: Vec<u64> = Vec::new();
         let tensors = entries
             .tensors
             .into_iter()
-            .map(|t| (t.name.clone(), t.into_bytes().unwrap().to_vec()))
+            .map(|t| {
+                assert_eq!(t.param_id, id_of(&t.name), "{}", t.name);
+                with_state.extend(t.param_id);
+                (t.name.clone(), t.into_bytes().unwrap().to_vec())
+            })
             .collect();
+        with_path.sort();
+        with_state.sort();
+        with_state.dedup();
+        assert_eq!(
+            with_path, with_state,
+            "every parameter with state has its path"
+        );
         (tensors, entries.scalars)
     }
 
