@@ -472,6 +472,13 @@ impl DistributedDataParallel {
         )
     }
 
+    /// Makes this wrapper's process group the one [`SyncBatchNorm`](crate::SyncBatchNorm) layers
+    /// synchronise with on the calling thread, until the returned guard is dropped (the
+    /// strategy does this for every replica). Without it, `SyncBatchNorm` is Burn's `BatchNorm`.
+    pub fn enter_sync_batch_norm(&self) -> crate::sync_bn::SyncBatchNormGuard {
+        crate::sync_bn::enter_process_group(self.reducer.group().clone(), self.config.timeout())
+    }
+
     /// Checks that every rank's `module` holds bit-identical parameters and buffers (every
     /// tensor's value fingerprint compared with rank 0's); `step` labels the error.
     ///

@@ -12,7 +12,11 @@
 //! whose iterator yields Burn 0.22's `Result<O, DatasetError>`), the error type, and (stage 3)
 //! the custom loop ([`DistributedDataParallel`]) with optimizer-state and gradient sharding in
 //! its optimizer step (ZeRO-1/2 on Burn 0.22's concrete `ModuleOptimizer`, whose burnpack record
-//! is split and joined by parameter). Their behaviour is the root crate's; the tests are its tests,
+//! is split and joined by parameter), SyncBatchNorm (a backend extension with its own backward),
+//! burn-train's outputs joined across replicas and sent between processes
+//! ([`outputs::DistributedOutput`]), the training report and the renderer and logger wrappers
+//! for the main process ([`metrics`]), and the synchronisation-time watch. Their behaviour is
+//! the root crate's; the tests are its tests,
 //! ported (on Burn's Flex backend, which 0.23 keeps).
 
 #![warn(missing_docs)]
@@ -38,6 +42,11 @@ pub mod mechanism;
 #[allow(dead_code)]
 pub mod metrics;
 #[allow(dead_code)]
+mod monitor;
+// The codec has its caller in the Learner strategy (stage 4).
+#[allow(dead_code)]
+pub mod outputs;
+#[allow(dead_code)]
 mod partition;
 #[allow(dead_code)]
 mod reducer;
@@ -47,6 +56,8 @@ mod replica;
 mod sampler;
 #[allow(dead_code)]
 mod sharding;
+#[allow(dead_code)]
+mod sync_bn;
 
 /// The communication layer, [`burn_ddp_comm`], whole: process groups and their errors
 /// ([`CommError`](burn_ddp_comm::CommError), inside [`DdpError::Comm`]), the store, rendezvous,
@@ -59,3 +70,4 @@ pub use context::{is_main_process, rank, world_size};
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
 pub use sampler::{DistributedDataLoader, DistributedSampler};
+pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};

@@ -5,6 +5,7 @@
 //! far: the reducer, the replica and the sharding's owners; the root crate's `SyncWatch` and
 //! `SyncBatchNormGuard` follow with their modules.
 
+pub use crate::monitor::SyncWatch;
 pub use crate::reducer::{
     Bucket, BucketLayout, ReduceOptions, ReduceOutcome, Reducer, ReducerOptions,
 };
@@ -13,3 +14,4 @@ pub use crate::replica::{
 };
 pub use crate::sharding::OptimizerShards;
 pub use crate::sharding::state::optimizer_state_bytes;
+pub use crate::sync_bn::{StatsLink, SyncBatchNormGuard};
