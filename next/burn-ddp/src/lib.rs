@@ -56,6 +56,9 @@ mod replica;
 mod sampler;
 #[allow(dead_code)]
 mod sharding;
+// The Learner strategy's parts ported so far (stage 4); the strategy itself follows.
+#[allow(dead_code)]
+mod strategy;
 #[allow(dead_code)]
 mod sync_bn;
 

@@ -151,7 +151,8 @@ pub struct RankReport {
     pub optimizer_state: Option<u64>,
     /// Device memory held by the backend's memory pools on this rank's device at the end of
     /// training, in bytes (CubeCL's reserved bytes; its pools keep what they took, so this is
-    /// close to the peak): CUDA devices; `None` on CPU devices.
+    /// close to the peak): CUDA devices; `None` on CPU devices. (On Burn 0.22, `None` until the
+    /// strategy reads it: CubeCL 0.11's client reports memory otherwise than 0.10's.)
     pub device_memory: Option<u64>,
 }
 

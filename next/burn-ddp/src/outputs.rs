@@ -65,7 +65,16 @@ fn join_loss(parts: Vec<(Tensor<1>, usize)>, device: &Device) -> Tensor<1> {
     if !per_batch {
         return cat(parts.into_iter().map(|(loss, _)| loss).collect(), device);
     }
+    // A part without samples (a rank without a batch in a short step) weighs nothing; its loss,
+    // the mean of nothing, may be NaN, which a weight of 0 would not cancel.
     let total: usize = parts.iter().map(|(_, samples)| samples).sum();
+    let parts = match total {
+        0 => parts,
+        _ => parts
+            .into_iter()
+            .filter(|(_, samples)| *samples > 0)
+            .collect(),
+    };
     let weighted: Vec<Tensor<1>> = parts
         .into_iter()
         .map(|(loss, samples)| loss.to_device(device).mul_scalar(samples as f64))
@@ -123,8 +132,13 @@ fn int_words<const D: usize>(tensor: &Tensor<D, Int>) -> Result<Vec<u64>, String
 /// Reads the dims written by `put`, checking the rank; with their number of values.
 fn take_dims<const D: usize>(words: &mut &[u64]) -> Result<([usize; D], usize), String> {
     let (&rank, rest) = words.split_first().ok_or("the words end before a tensor")?;
-    if rank != D as u64 || rest.len() < D {
+    if rank != D as u64 {
         return Err(format!("expected a tensor of rank {D}, found rank {rank}"));
+    }
+    if rest.len() < D {
+        return Err(format!(
+            "the words end inside the dimensions of a tensor of rank {D}"
+        ));
     }
     let mut dims = [0usize; D];
     let mut count = 1usize;
@@ -165,6 +179,18 @@ fn take_int<const D: usize>(words: &mut &[u64], device: &Device) -> Result<Tenso
     let values: Vec<i64> = words[..count].iter().map(|&w| w as i64).collect();
     *words = &words[count..];
     Ok(Tensor::from_data(TensorData::new(values, dims), device))
+}
+
+/// Whether a decoded output's parts belong together: as many targets as outputs, and a loss of
+/// one value (the batch's mean) or one per sample.
+fn fits(losses: usize, outputs: usize, targets: usize) -> Result<(), String> {
+    if targets != outputs {
+        return Err(format!("{outputs} outputs but {targets} targets"));
+    }
+    if losses != 1 && losses != outputs {
+        return Err(format!("{losses} losses for {outputs} samples"));
+    }
+    Ok(())
 }
 
 /// The mean of a loss tensor, read; `None` when it cannot be read.
@@ -211,11 +237,17 @@ macro_rules! distributed_output {
             }
 
             fn decode(words: &mut &[u64], device: &Device) -> Result<Self, String> {
-                Ok(Self {
+                let decoded = Self {
                     loss: take_float::<1>(words, device)?,
                     $output: take_float::<$out_dims>(words, device)?,
                     $targets: $take::<$tgt_dims>(words, device)?,
-                })
+                };
+                fits(
+                    decoded.loss.dims()[0],
+                    decoded.$output.dims()[0],
+                    decoded.$targets.dims()[0],
+                )?;
+                Ok(decoded)
             }
 
             fn loss(&self) -> Option<f64> {
@@ -450,6 +482,20 @@ mod tests {
             err.contains("overflow") || err.contains("dimension"),
             "{err}"
         );
+        // Parts that do not belong together: 2 outputs, 1 target.
+        let mut words = Vec::new();
+        put(&mut words, &[1], [0.5f32.to_bits() as u64].into_iter());
+        // Two f32 values packed in one word.
+        put(&mut words, &[2, 1], [0u64].into_iter());
+        put(&mut words, &[1], [3u64].into_iter());
+        let mut rest = words.as_slice();
+        let Err(err) = ClassificationOutput::decode(&mut rest, &device()) else {
+            panic!("2 outputs with 1 target decoded");
+        };
+        assert!(err.contains("2 outputs but 1 targets"), "{err}");
+        let mut cut: &[u64] = &[2, 5];
+        let err = take_dims::<2>(&mut cut).unwrap_err();
+        assert!(err.contains("end inside the dimensions"), "{err}");
         let mut hostile: &[u64] = &[2, 1 << 40, 1 << 40];
         let Err(err) = take_int::<2>(&mut hostile, &device()) else {
             panic!("dimensions whose product overflows decoded");

@@ -108,8 +108,11 @@ impl StatsLink {
 }
 
 /// Backends on which [`SyncBatchNorm`] can sum statistics across ranks: Burn's Flex (feature
-/// `flex`, on by default), NdArray (`ndarray`) and CUDA (`cuda`) backends, and `Autodiff` over
-/// them. On a backend this build does not list the sum panics, naming it.
+/// `flex`, on by default), NdArray (`ndarray`) and CubeCL (`cuda`: Burn 0.22's one backend of
+/// every CubeCL runtime, so wgpu too once this build has it) backends, and `Autodiff` over them.
+/// On a backend this build does not list, a training forward pass with a group of more than one
+/// rank fails before any collective with [`DdpError::InvalidConfig`](crate::DdpError) naming
+/// the device (as the panic payload, see [`SyncBatchNorm`]).
 #[backend_extension(
     Flex: cfg(feature = "flex"),
     NdArray: cfg(feature = "ndarray"),
@@ -179,7 +182,13 @@ impl<B: SyncBatchNormBackend> Backward<B, 1> for SyncSum {
         let link = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
             let weight = link.weight;
-            if weight == 1.0 || weight == 0.0 {
+            if weight == 0.0 {
+                // A rank without a sample in the step adds nothing (its gradient, of an empty
+                // batch's loss, may be NaN).
+                let zeros = B::float_zeros(grad.shape(), &grad.device(), grad.dtype().into());
+                return B::sync_sum(zeros, link);
+            }
+            if weight == 1.0 {
                 return B::sync_sum(grad, link);
             }
             let weighed = B::float_mul_scalar(grad, weight.into());
@@ -302,7 +311,13 @@ pub struct SyncBatchNorm {
 impl SyncBatchNorm {
     /// Normalises `input` (`[batch, channels, ...]`, at least 2 dimensions): with the global
     /// batch's statistics when training, with the running statistics otherwise.
+    ///
+    /// # Panics
+    /// As Burn's `BatchNorm`, when `input` has fewer than 2 dimensions or another number of
+    /// channels than the layer (checked before any collective, so that no rank waits on one).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        let [num_features] = self.gamma.shape().dims();
+        burn::tensor::assert_shape!(input, [_, num_features, ..]);
         let device = input.device();
         let dims = input.dims();
         let channels = dims[1];
@@ -315,6 +330,12 @@ impl SyncBatchNorm {
         }
         USED.with(|used| used.set(true));
         let link = StatsLink::current();
+        if link.is_some() && !supported(&device) {
+            raise(crate::error::DdpError::InvalidConfig(format!(
+                "SyncBatchNorm: no sum over ranks on {device:?} in this build (Flex, NdArray and \
+                 CUDA with burn-ddp's features `flex`, `ndarray`, `cuda`)"
+            )));
+        }
         let local: usize = dims
             .iter()
             .enumerate()
@@ -365,6 +386,21 @@ impl SyncBatchNorm {
             .div(std)
             .mul(self.gamma.val().reshape(shape))
             .add(self.beta.val().reshape(shape))
+    }
+}
+
+/// Whether [`SyncBatchNormBackend`] has an implementation for `device`'s backend in this build.
+fn supported(device: &Device) -> bool {
+    use burn::backend::DispatchDevice;
+    #[allow(unreachable_patterns)]
+    match device.clone().inner().as_dispatch() {
+        #[cfg(feature = "flex")]
+        DispatchDevice::Flex(_) => true,
+        #[cfg(feature = "ndarray")]
+        DispatchDevice::NdArray(_) => true,
+        #[cfg(feature = "cuda")]
+        DispatchDevice::Cube(_) => true,
+        _ => false,
     }
 }
 
