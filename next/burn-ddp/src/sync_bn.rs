@@ -389,7 +389,9 @@ impl SyncBatchNorm {
     }
 }
 
-/// Whether [`SyncBatchNormBackend`] has an implementation for `device`'s backend in this build.
+/// Whether [`SyncBatchNormBackend`] has an implementation for `device`'s backend in this build:
+/// the extension's selectors and `host_backend!`'s list, which it must follow (the generated
+/// dispatch has no question to ask, only a panic on an unlisted backend).
 fn supported(device: &Device) -> bool {
     use burn::backend::DispatchDevice;
     #[allow(unreachable_patterns)]

@@ -12,8 +12,9 @@
 //!
 //! - **Several ranks in this process** (threads): the pass runs on a thread of its own and hands
 //!   each rank its batches. That needs tensors that any thread may use: Burn's CPU backends
-//!   (`replica::shares_plain_values`; on wgpu and CUDA Burn 0.21's fusion loses track of a
-//!   handle used by another thread, even after a sync), one device (the copy's).
+//!   (`replica::shares_plain_values`; on wgpu and CUDA, Burn 0.21's fusion lost track of a
+//!   handle used by another thread, even after a sync: not measured again on 0.22), one device
+//!   (the copy's).
 //! - **One rank in this process**: the rank iterates the pass itself and drops the other ranks'
 //!   batches, so every process builds every batch (one device's loading work per process). The
 //!   processes must give the same pass: a loader of a fixed order (a `DistributedDataLoader`),
