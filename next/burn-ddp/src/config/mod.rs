@@ -52,6 +52,9 @@ pub struct DdpConfig {
     gradient_sharding: bool,
     shared_memory_reduction: bool,
     metrics_file: Option<std::path::PathBuf>,
+    /// Where burn-ddp's checkpointers ([`checkpointers`](Self::checkpointers)) note what they
+    /// wrote, for the strategy that binds an epoch's records to its state (shared by clones).
+    ledger: crate::checkpoint::Ledger,
 }
 
 impl PartialEq for DdpConfig {
@@ -116,6 +119,7 @@ impl Default for DdpConfig {
             gradient_sharding: false,
             shared_memory_reduction: true,
             metrics_file: None,
+            ledger: crate::checkpoint::Ledger::default(),
         }
     }
 }
@@ -208,8 +212,9 @@ impl DdpConfig {
     }
 
     /// The checkpoint directory: use burn-train's, `<artifact dir>/checkpoint`. Rank 0 writes
-    /// `ddp-state-<epoch>.json` there after every epoch (world size, epoch, optimizer steps),
-    /// atomically, next to burn-train's epoch checkpoints, and burn-ddp's step checkpoints (after
+    /// `ddp-state-<epoch>.json` there after every epoch (world size, epoch, optimizer steps, the
+    /// SHA-256 of the records written with [`checkpointers`](Self::checkpointers)), atomically,
+    /// next to burn-train's epoch checkpoints, and burn-ddp's step checkpoints (after
     /// a stop signal, or [`with_checkpoint_every`](Self::with_checkpoint_every)); with
     /// [`with_resume`](Self::with_resume) a run starts from the newest complete checkpoint in
     /// it. Without a directory, a stop signal still stops every rank at the same step, but
@@ -217,6 +222,46 @@ impl DdpConfig {
     pub fn with_checkpoint_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
         self.checkpoint_dir = Some(dir.into());
         self
+    }
+
+    /// burn-ddp's checkpointers of burn-train's epoch checkpoints in the [checkpoint
+    /// directory](Self::with_checkpoint_dir), for the model, the optimizer and the LR scheduler:
+    /// give them to `SupervisedTraining::with_custom_checkpointers` instead of
+    /// `with_default_checkpointers`. They write burn-train's files (`model-<epoch>.bpk`, ...)
+    /// atomically (never half written) and tell the strategy which files they wrote and their
+    /// SHA-256, which the epoch's state file then holds: a resume takes an epoch checkpoint only
+    /// with the very records written for it (see [`checkpoint`](crate::checkpoint)).
+    ///
+    /// ```
+    /// # fn main() -> burn_ddp::Result<()> {
+    /// let config = burn_ddp::DdpConfig::default().with_checkpoint_dir("artifacts/checkpoint");
+    /// let [model, optim, scheduler] = config.checkpointers()?;
+    /// // training.with_custom_checkpointers(model, optim, scheduler)
+    /// # let _ = (model, optim, scheduler);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidConfig`](crate::DdpError::InvalidConfig) when no checkpoint directory
+    /// is set.
+    pub fn checkpointers(&self) -> crate::Result<[crate::checkpoint::RecordCheckpointer; 3]> {
+        let dir = self.checkpoint_dir.as_deref().ok_or_else(|| {
+            crate::DdpError::InvalidConfig(
+                "DdpConfig::checkpointers: no checkpoint directory; set \
+                 DdpConfig::with_checkpoint_dir(<artifact dir>/checkpoint) first"
+                    .into(),
+            )
+        })?;
+        Ok(crate::checkpoint::Checkpoints::epoch_checkpointers(
+            dir,
+            &self.ledger,
+        ))
+    }
+
+    /// The ledger [`checkpointers`](Self::checkpointers) note their writes in.
+    pub(crate) fn ledger(&self) -> &crate::checkpoint::Ledger {
+        &self.ledger
     }
 
     /// Continue this run from its newest complete checkpoint in the [checkpoint
