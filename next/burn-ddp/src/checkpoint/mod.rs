@@ -26,6 +26,7 @@
 mod epoch;
 mod file;
 mod records;
+mod resume;
 mod state;
 mod step;
 
@@ -38,6 +39,7 @@ pub use burn_ddp_comm::signals::PREEMPTED_EXIT_CODE;
 pub(crate) use epoch::{EpochCheckpoint, quietly, write_epoch_checkpoint};
 pub use records::RecordCheckpointer;
 pub(crate) use records::{Ledger, Mark, RecordFile};
+pub(crate) use resume::{Resume, Resuming, prepare};
 pub(crate) use state::{EpochState, FORMAT, SignedState, StepState};
 pub(crate) use step::{Records, StepCheckpointer};
 

@@ -209,6 +209,11 @@ impl StepState {
         dir.join(format!("ddp-step-{tag}-{number}.json"))
     }
 
+    /// This state's file in `dir`: `dir/ddp-step-<its run's tag>-<number>.json`.
+    pub fn file_in(&self, dir: &Path) -> PathBuf {
+        Self::path(dir, &super::run_tag(&self.run_id), self.number)
+    }
+
     /// Every step state in `dir`, newest first (by number); files that cannot be read or parsed
     /// come back as `Err`, first.
     pub fn list(dir: &Path) -> Vec<Result<StepState>> {
