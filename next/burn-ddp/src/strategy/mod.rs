@@ -4,8 +4,9 @@
 //! ([`startup`]), the words ranks exchange ([`wire`]), the NCCL group of a thread run's devices
 //! ([`device_group`]), the handing of outputs to rank 0 ([`handoff`]), the metrics file
 //! ([`metrics_file`]), and the dealer and its loader ([`dealer`], [`dealt_loader`]: one device's
-//! batches of a loader burn-ddp did not build, dealt to the ranks). The strategy itself, its
-//! workers, epochs, validation, checkpoints and resume follow.
+//! batches of a loader burn-ddp did not build, dealt to the ranks), and a Learner's sharded
+//! optimizer ([`sharded`]: its step, its share of a resumed state, the whole state on rank 0
+//! for a checkpoint). The strategy itself, its workers, epochs and validation follow.
 
 mod dealer;
 mod dealt_loader;
@@ -13,5 +14,6 @@ mod device_group;
 mod handoff;
 mod metrics_file;
 mod policy;
+mod sharded;
 mod startup;
 mod wire;

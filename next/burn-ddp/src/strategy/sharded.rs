@@ -1,0 +1,353 @@
+//! A rank's optimizer under [`DdpConfig::with_optimizer_sharding`](crate::DdpConfig::with_optimizer_sharding)
+//! when burn-train's `Learner` holds it: the step of this rank's own parameters and the
+//! all-gather of every rank's ([`sharded_step`](crate::sharding::sharded_step) around
+//! `Learner::optimizer_step`), this rank's share of a resumed optimizer state, and the whole
+//! state on rank 0 for a checkpoint (see [`crate::sharding`]).
+//!
+//! Burn 0.22's `Learner` keeps its optimizer private and has no way to set its model: only a
+//! `LearningCheckpointer` reads the optimizer's record ([`RecordReader`] is one whose
+//! checkpointers hand the record over in memory), and the gathered parameters of a step come
+//! back through `Learner::load_model`, a copy through host memory of the whole model every
+//! step (the custom loop, [`DistributedDataParallel`](crate::DistributedDataParallel), holds
+//! its optimizer and copies nothing).
+
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use burn::optim::{GradientsParams, OptimizerRecord};
+use burn::train::checkpoint::{
+    AsyncCheckpointer, Checkpoint, Checkpointer, CheckpointerError, CheckpointingAction,
+    CheckpointingStrategy,
+};
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{Learner, LearnerModel, LearningCheckpointer};
+
+use crate::error::{DdpError, Result};
+use crate::sharding::OptimizerShards;
+use crate::sharding::state::{Keys, gather_record, optimizer_state_bytes, own_record};
+use burn_ddp_comm::group::ProcessGroup;
+
+/// A checkpointer that hands each record it is given to a channel (or drops it).
+struct ToMemory<R> {
+    sender: Mutex<Option<Sender<R>>>,
+}
+
+impl<R: Checkpoint> Checkpointer<R> for ToMemory<R> {
+    fn save(&self, _: usize, record: R) -> std::result::Result<(), CheckpointerError> {
+        let sender = self
+            .sender
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(sender) = &*sender {
+            // The reader may be gone (the trainer ended): nothing to keep then.
+            let _ = sender.send(record);
+        }
+        Ok(())
+    }
+
+    fn delete(&self, _: usize) -> std::result::Result<(), CheckpointerError> {
+        Ok(())
+    }
+
+    fn restore(&self, _: usize) -> std::result::Result<R, CheckpointerError> {
+        Err(CheckpointerError::Unknown(
+            "burn-ddp's in-memory record reader restores nothing".into(),
+        ))
+    }
+}
+
+fn to_memory<R>(sender: Option<Sender<R>>) -> ToMemory<R> {
+    ToMemory {
+        sender: Mutex::new(sender),
+    }
+}
+
+/// Saves whenever asked.
+struct Always;
+
+impl CheckpointingStrategy for Always {
+    fn checkpointing(&mut self, _: usize, _: &EventStoreClient) -> Vec<CheckpointingAction> {
+        vec![CheckpointingAction::Save]
+    }
+}
+
+/// Reads a `Learner`'s optimizer record (its checkpointer threads start at the first read).
+pub(super) struct RecordReader<M: LearnerModel> {
+    checkpointer: Option<(LearningCheckpointer<M>, Receiver<OptimizerRecord>)>,
+    /// burn-train's store (its checkpointing strategies take one; [`Always`] ignores it).
+    store: Arc<EventStoreClient>,
+}
+
+impl<M: LearnerModel> RecordReader<M> {
+    /// A reader; `store` is burn-train's event store (every rank's process has one).
+    pub fn new(store: Arc<EventStoreClient>) -> Self {
+        Self {
+            checkpointer: None,
+            store,
+        }
+    }
+
+    /// `learner`'s optimizer record now (burn-train's learner hands over the model's and the
+    /// scheduler's too: a copy of the model through host memory, dropped).
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] when burn-train's checkpointer does not hand it over within
+    /// `timeout`.
+    pub fn read(&mut self, learner: &Learner<M>, timeout: Duration) -> Result<OptimizerRecord> {
+        let (checkpointer, records) = self.checkpointer.get_or_insert_with(|| {
+            let (sender, records) = mpsc::channel();
+            let checkpointer = LearningCheckpointer::new(
+                AsyncCheckpointer::new(to_memory(None)),
+                AsyncCheckpointer::new(to_memory(Some(sender))),
+                AsyncCheckpointer::new(to_memory(None)),
+                Box::new(Always),
+            );
+            (checkpointer, records)
+        });
+        checkpointer.checkpoint(learner, 0, &self.store);
+        records
+            .recv_timeout(timeout)
+            .map_err(|e| DdpError::Checkpoint {
+                path: String::new(),
+                detail: format!(
+                    "cannot read the optimizer's record from burn-train's learner within \
+                     {timeout:?}: {e}"
+                ),
+            })
+    }
+
+    /// Bytes of `learner`'s optimizer state ([`RankReport::optimizer_state`]); `None` when the
+    /// record cannot be read. Copies the state to host memory.
+    ///
+    /// [`RankReport::optimizer_state`]: crate::metrics::RankReport::optimizer_state
+    pub fn state_bytes(&mut self, learner: &Learner<M>, timeout: Duration) -> Option<u64> {
+        let record = self.read(learner, timeout).ok()?;
+        optimizer_state_bytes(record).ok()
+    }
+}
+
+/// A rank's sharded optimizer in a `Learner`.
+pub(super) struct Sharded {
+    shards: OptimizerShards,
+}
+
+impl Sharded {
+    /// This rank's optimizer under `shards`; after a resume (`resumed`), it keeps only this
+    /// rank's share of the whole optimizer state the checkpoint loaded into `learner`.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] when the learner's optimizer record cannot be read or split.
+    pub fn start<M: LearnerModel>(
+        shards: OptimizerShards,
+        resumed: bool,
+        reader: &mut RecordReader<M>,
+        learner: &mut Learner<M>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        if resumed {
+            let record = reader.read(learner, timeout)?;
+            let keys = Keys::of(&learner.model());
+            learner.load_optim(own_record(&shards, &keys, record)?);
+        }
+        Ok(Self { shards })
+    }
+
+    /// Who owns what.
+    pub fn shards(&self) -> &OptimizerShards {
+        &self.shards
+    }
+
+    /// The optimizer step on the averaged `grads`: the learner's optimizer steps this rank's own
+    /// parameters (burn-train's `Learner::optimizer_step`, so a model's own `optimize` runs),
+    /// every rank's stepped parameters are all-gathered, and the learner's model becomes the
+    /// whole, bit-identical model (through `Learner::load_model`). Every rank must call it once
+    /// per synchronisation.
+    ///
+    /// # Errors
+    /// The all-gathers' (the process group is then aborted, the learner's model is this rank's
+    /// step alone).
+    pub fn step<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        grads: GradientsParams,
+        group: &dyn ProcessGroup,
+        timeout: Duration,
+    ) -> Result<()> {
+        let whole = crate::sharding::sharded_step(
+            &self.shards,
+            learner.model(),
+            grads,
+            group,
+            timeout,
+            |_, own| {
+                learner.optimizer_step(own);
+                learner.model()
+            },
+        )?;
+        learner.load_model(whole.into_record());
+        Ok(())
+    }
+
+    /// Before rank 0 writes a checkpoint: every rank's optimizer state joined into rank 0's
+    /// learner. Returns rank 0's own record, to put back with [`put_back`](Self::put_back) once
+    /// the checkpoint is written (`None` on the other ranks). Every rank must call it.
+    ///
+    /// # Errors
+    /// As [`gather_record`]; a record that cannot be read.
+    pub fn whole_on_rank_0<M: LearnerModel>(
+        &self,
+        reader: &mut RecordReader<M>,
+        learner: &mut Learner<M>,
+        group: &dyn ProcessGroup,
+        timeout: Duration,
+    ) -> Result<Option<OptimizerRecord>> {
+        let own = reader.read(learner, timeout)?;
+        // Records are not `Clone`: rank 0 reads its own a second time, to put back.
+        let kept = match group.rank() {
+            0 => Some(reader.read(learner, timeout)?),
+            _ => None,
+        };
+        let keys = Keys::of(&learner.model());
+        if let Some(whole) = gather_record(&self.shards, &keys, own, group, timeout)? {
+            learner.load_optim(whole);
+        }
+        Ok(kept)
+    }
+
+    /// Puts rank 0's own optimizer state back after a checkpoint.
+    pub fn put_back<M: LearnerModel>(learner: &mut Learner<M>, own: Option<OptimizerRecord>) {
+        if let Some(own) = own {
+            learner.load_optim(own);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::{Regressor, batch, inside_burn_train_with};
+    use crate::replica::ReplicaLayout;
+    use burn::module::Module;
+    use burn::optim::AdamConfig;
+    use burn_ddp_comm::group::ThreadGroup;
+
+    const WORLD: usize = 2;
+
+    /// A rank's model after its sharded steps, rank 0's model after one more step with the
+    /// whole state, and the bytes of its optimizer state: its own, with the whole state joined,
+    /// put back.
+    type RankEnd = (Vec<f32>, Vec<f32>, [u64; 3]);
+    const TIMEOUT: Duration = Duration::from_secs(60);
+
+    fn learner(model: &Regressor) -> Learner<Regressor> {
+        Learner::new(model.clone(), AdamConfig::new().init(), 1e-2)
+    }
+
+    /// Plain burn-train: `steps` optimizer steps of one learner on the whole batches.
+    fn plain(learner: &mut Learner<Regressor>, steps: std::ops::Range<usize>) {
+        let device = learner.model().devices()[0].clone();
+        for step in steps {
+            learner.lr_step();
+            let output = learner.train_step(batch(step, 4, &device));
+            learner.optimizer_step(output.grads);
+        }
+    }
+
+    #[test]
+    fn sharded_learners_step_as_one_learner_and_join_its_optimizer_state_on_rank_0() {
+        let dir = tempfile::tempdir().unwrap();
+        let device = crate::replica::tests::test_device();
+        let model = Regressor::new(&device);
+        // Burn initialises a parameter lazily, per clone: make its values before cloning.
+        let _ = model.values();
+        let (sender, receiver) = mpsc::channel();
+        let start = model.clone();
+        inside_burn_train_with(
+            dir.path(),
+            learner(&model),
+            |t| t,
+            move |_, components| {
+                let store = components.event_store.clone();
+                let layout = ReplicaLayout::of(&start);
+                let groups = ThreadGroup::new_group(WORLD).unwrap();
+                let ranks: Vec<_> = std::thread::scope(|s| {
+                    let handles: Vec<_> = groups
+                        .into_iter()
+                        .enumerate()
+                        .map(|(rank, group)| {
+                            let (store, layout, start) = (store.clone(), &layout, &start);
+                            s.spawn(move || {
+                                let mut reader = RecordReader::new(store);
+                                let mut learner = learner(start);
+                                let shards = OptimizerShards::new(layout, rank, WORLD);
+                                let sharded = Sharded::start(
+                                    shards,
+                                    false,
+                                    &mut reader,
+                                    &mut learner,
+                                    TIMEOUT,
+                                )
+                                .unwrap();
+                                let device = learner.model().devices()[0].clone();
+                                // Every rank steps on the whole batch's gradients (what the
+                                // reducer's average would give): the step alone is tested here.
+                                for step in 0..3 {
+                                    learner.lr_step();
+                                    let output = learner.train_step(batch(step, 4, &device));
+                                    sharded
+                                        .step(&mut learner, output.grads, &group, TIMEOUT)
+                                        .unwrap();
+                                }
+                                let own_bytes = reader.state_bytes(&learner, TIMEOUT).unwrap();
+                                let own = sharded
+                                    .whole_on_rank_0(&mut reader, &mut learner, &group, TIMEOUT)
+                                    .unwrap();
+                                let whole_bytes = reader.state_bytes(&learner, TIMEOUT).unwrap();
+                                // Rank 0's learner holds the whole state now: one more step as
+                                // plain burn-train takes it.
+                                let mut with_whole = learner.clone();
+                                plain(&mut with_whole, 3..4);
+                                Sharded::put_back(&mut learner, own);
+                                let put_back = reader.state_bytes(&learner, TIMEOUT).unwrap();
+                                (
+                                    learner.model().values(),
+                                    with_whole.model().values(),
+                                    [own_bytes, whole_bytes, put_back],
+                                )
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                // Plain burn-train: one learner on the whole batches.
+                let mut reference = learner(&start);
+                plain(&mut reference, 0..3);
+                let at_3 = reference.model().values();
+                let plain_bytes = RecordReader::new(store)
+                    .state_bytes(&reference, TIMEOUT)
+                    .unwrap();
+                plain(&mut reference, 3..4);
+                sender
+                    .send((ranks, at_3, plain_bytes, reference.model().values()))
+                    .unwrap();
+            },
+        );
+        let (ranks, at_3, plain_bytes, at_4): (Vec<RankEnd>, _, _, _) =
+            receiver.recv_timeout(TIMEOUT).unwrap();
+        for (rank, (values, _, _)) in ranks.iter().enumerate() {
+            assert_eq!(values, &at_3, "rank {rank} after 3 sharded steps");
+        }
+        let (_, rank0_next, [own, whole, put_back]) = &ranks[0];
+        assert_eq!(rank0_next, &at_4, "rank 0 held the whole state");
+        assert_eq!(*whole, plain_bytes);
+        assert!(
+            *own < plain_bytes,
+            "rank 0 kept its share only: {own} of {plain_bytes}"
+        );
+        assert_eq!(put_back, own);
+        let (_, _, [own_1, whole_1, _]) = &ranks[1];
+        assert_eq!(own + own_1, plain_bytes, "the shares make the whole");
+        assert_eq!(whole_1, own_1, "the other ranks keep their share");
+    }
+}
