@@ -15,5 +15,6 @@ mod handoff;
 mod metrics_file;
 mod policy;
 mod sharded;
+mod shards;
 mod startup;
 mod wire;

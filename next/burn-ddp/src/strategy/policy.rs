@@ -185,8 +185,9 @@ impl StepPolicy {
         })
     }
 
-    /// A new epoch: micro-batches left over from the last one were dropped (as burn-train
-    /// drops them), so the next batch starts an optimizer step.
+    /// A new epoch: the next batch starts an optimizer step (an epoch's last micro-batch
+    /// completes its window, [`micro_batch_done`](Self::micro_batch_done); one that ended
+    /// inside a window was interrupted, and its micro-batches go unstepped, as burn-train's).
     pub fn start_epoch(&mut self) {
         self.micro_batches = 0;
     }
@@ -207,10 +208,12 @@ impl StepPolicy {
         self.accumulation > 1
     }
 
-    /// Counts a micro-batch; true when it completes an optimizer step.
-    pub fn micro_batch_done(&mut self) -> bool {
+    /// Counts a micro-batch; true when it completes an optimizer step: the window is full, or it
+    /// is the epoch's last (`last_of_epoch`: burn-train 0.22 steps a short last window, where
+    /// 0.21 dropped it).
+    pub fn micro_batch_done(&mut self, last_of_epoch: bool) -> bool {
         self.micro_batches += 1;
-        if self.micro_batches >= self.accumulation {
+        if self.micro_batches >= self.accumulation || last_of_epoch {
             self.micro_batches = 0;
             true
         } else {
@@ -353,19 +356,28 @@ mod tests {
     }
 
     #[test]
-    fn accumulation_steps_every_k_micro_batches_and_stops_only_at_boundaries() {
+    fn accumulation_steps_every_k_micro_batches_and_at_the_epochs_last_as_burn_train_0_22() {
         let mut policy = StepPolicy::new(&DdpConfig::default(), 3).unwrap();
         assert!(policy.accumulates());
+        // 7 micro-batches in the epoch: windows of 3, 3, and the last one's 1, which burn-train
+        // 0.22 steps too (its loop steps when the window is full or the epoch's data is done).
         let (boundaries, steps): (Vec<bool>, Vec<bool>) = (0..7)
-            .map(|_| (policy.at_step_boundary(), policy.micro_batch_done()))
+            .map(|batch| {
+                (
+                    policy.at_step_boundary(),
+                    policy.micro_batch_done(batch == 6),
+                )
+            })
             .unzip();
         assert_eq!(
             boundaries,
             vec![true, false, false, true, false, false, true]
         );
-        assert_eq!(steps, vec![false, false, true, false, false, true, false]);
+        assert_eq!(steps, vec![false, false, true, false, false, true, true]);
+        assert!(policy.at_step_boundary());
+        // An epoch that ends inside a window (an interrupt): the next one starts a step.
+        policy.micro_batch_done(false);
         assert!(!policy.at_step_boundary());
-        // A new epoch drops the leftover micro-batch: the next batch starts a step.
         policy.start_epoch();
         assert!(policy.at_step_boundary());
         let policy =
