@@ -10,8 +10,8 @@ use std::time::Duration;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel, LearningCheckpointer};
 
-use super::state::EpochState;
-use super::{Checkpoints, Progress, RECORDS};
+use super::state::{EpochState, SignedState};
+use super::{Checkpoints, Progress};
 use crate::error::Result;
 
 /// What the end of an epoch left in the checkpoint directory.
@@ -25,7 +25,8 @@ pub(crate) enum EpochCheckpoint {
     Unbound(EpochState),
     /// burn-train's checkpointing strategy did not save this epoch (burn-ddp's checkpointers
     /// wrote nothing, whatever older file of its name is there), or nothing of it reads back: no
-    /// state is written, so no older record is taken for this run's epoch.
+    /// state is written, and an earlier attempt's state of this run for the epoch is removed, so
+    /// no older record is taken for this attempt's epoch.
     NotSaved,
 }
 
@@ -49,11 +50,15 @@ pub(crate) fn write_epoch_checkpoint<M: LearnerModel>(
     let epoch = progress.epoch;
     let since = checkpoints.ledger().mark();
     checkpointer.checkpoint(learner, epoch, store);
-    let read_back = quietly(|| checkpointer.load_checkpoint(learner.clone(), epoch));
+    // The learner read back is dropped at once (a second copy of the model and optimizer
+    // state on the device otherwise).
+    let read_back = quietly(|| drop(checkpointer.load_checkpoint(learner.clone(), epoch)));
     checkpoints.forget_deleted_epochs(since)?;
+    let keys = checkpoints.epoch_keys();
+    let keys = keys.each_ref().map(String::as_str);
     let written = checkpoints
         .ledger()
-        .wait_for(&RECORDS, epoch, since, Duration::ZERO);
+        .wait_for(&keys, epoch, since, Duration::ZERO);
     let records = match written {
         Ok(Some(records)) => Some(records),
         Ok(None) => None,
@@ -72,7 +77,7 @@ pub(crate) fn write_epoch_checkpoint<M: LearnerModel>(
     };
     // burn-ddp's checkpointers note the read-back: then what they did not write now was not
     // saved now.
-    let ours = checkpoints.ledger().was_read(RECORDS[0], epoch, since);
+    let ours = checkpoints.ledger().was_read(keys[0], epoch, since);
     match (records, read_back) {
         (Some(records), _) => Ok(EpochCheckpoint::Bound(
             checkpoints.write_epoch_state(progress, records)?,
@@ -80,15 +85,38 @@ pub(crate) fn write_epoch_checkpoint<M: LearnerModel>(
         (None, Ok(_)) if !ours => Ok(EpochCheckpoint::Unbound(
             checkpoints.write_epoch_state(progress, Vec::new())?,
         )),
-        (None, Ok(_)) => Ok(EpochCheckpoint::NotSaved),
-        (None, Err(why)) => {
-            tracing::debug!(
-                "burn-ddp: no checkpoint of epoch {epoch} (burn-train's checkpointing strategy \
-                 did not save it): {why}"
-            );
+        (None, read_back) => {
+            if let Err(why) = read_back {
+                tracing::debug!(
+                    "burn-ddp: no checkpoint of epoch {epoch} (burn-train's checkpointing \
+                     strategy did not save it): {why}"
+                );
+            }
+            forget_own_state(checkpoints, epoch)?;
             Ok(EpochCheckpoint::NotSaved)
         }
     }
+}
+
+/// Removes this run's state of `epoch` when there is one (an earlier attempt's: its records,
+/// still matching their hashes, are not this attempt's epoch); another run's stays.
+///
+/// # Errors
+/// [`DdpError::Checkpoint`](crate::DdpError::Checkpoint) naming a state that exists but cannot
+/// be removed.
+fn forget_own_state(checkpoints: &Checkpoints, epoch: usize) -> Result<()> {
+    let path = checkpoints.epoch_state_path(epoch);
+    let ours = matches!(
+        EpochState::read_from(&path),
+        Ok(Some(state)) if state.run_id == checkpoints.run_id()
+    );
+    if ours {
+        std::fs::remove_file(&path).map_err(|e| crate::DdpError::Checkpoint {
+            path: path.display().to_string(),
+            detail: format!("cannot delete an earlier attempt's state of epoch {epoch}: {e}"),
+        })?;
+    }
+    Ok(())
 }
 
 thread_local! {
@@ -97,7 +125,9 @@ thread_local! {
 
 /// Runs `f`, turning a panic into `Err(message)` without printing it: burn-train's checkpoint
 /// loading panics on a file it cannot read, which here is an answer, not a crash. Other threads'
-/// panics are printed as before (the panic hook is wrapped once per process).
+/// panics are printed as before (the panic hook is wrapped once per process). It needs unwinding:
+/// built with `panic = "abort"`, such a panic ends the process (an epoch burn-train did not save,
+/// a resume of an epoch written by burn-train's own checkpointers).
 pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
     static HOOK: Once = Once::new();
     HOOK.call_once(|| {
@@ -227,15 +257,16 @@ mod tests {
             matches!(earlier[0], EpochCheckpoint::Bound(_)),
             "{earlier:?}"
         );
-        std::fs::remove_file(checkpoints.epoch_state_path(1)).unwrap();
+        assert!(checkpoints.epoch_state_path(1).exists());
         let [model, optim, scheduler] = config.checkpointers().unwrap();
         let left = epochs(dir.path(), &checkpoints, 1, |training| {
             training
                 .with_custom_checkpointers(model, optim, scheduler)
                 .with_checkpointing_strategy(Never)
         });
-        // The earlier model-1.bpk is there and reads back, but burn-ddp's checkpointers wrote
-        // nothing now: no state claims it for this epoch.
+        // The earlier model-1.bpk is there and reads back, and so was the earlier attempt's
+        // state, but burn-ddp's checkpointers wrote nothing now: no state claims it for this
+        // epoch any more.
         assert!(checkpoints.dir().join("model-1.bpk").exists());
         assert_eq!(left, vec![EpochCheckpoint::NotSaved]);
         assert!(!checkpoints.epoch_state_path(1).exists());

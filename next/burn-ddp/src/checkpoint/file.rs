@@ -9,7 +9,9 @@ use serde::Serialize;
 
 use crate::error::{DdpError, Result};
 
-/// The prefix of the temporary files of writes in progress (a killed write leaves one).
+/// The prefix of the temporary files of writes in progress. A write killed before its rename
+/// leaves its temporary behind, which nothing removes yet (issue 39: temporaries of killed
+/// writes).
 pub(crate) const TEMPORARY_PREFIX: &str = ".tmp-";
 
 /// `dir/.tmp-<name>-<pid>-<n>` for the final `dir/<name>`: unique per process and per call, so

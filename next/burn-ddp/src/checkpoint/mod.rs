@@ -163,19 +163,53 @@ impl Checkpoints {
         since: Mark,
         timeout: Duration,
     ) -> Result<Vec<RecordFile>> {
+        self.wait_written(checkpointers, number, since, timeout)?
+            .ok_or_else(|| Self::not_written(checkpointers, number, timeout))
+    }
+
+    /// [`written`](Self::written), `None` when `timeout` passes first.
+    ///
+    /// # Errors
+    /// [`DdpError::Checkpoint`] naming the file that could not be written.
+    pub fn wait_written(
+        &self,
+        checkpointers: &[RecordCheckpointer; 3],
+        number: usize,
+        since: Mark,
+        timeout: Duration,
+    ) -> Result<Option<Vec<RecordFile>>> {
+        let keys = checkpointers.each_ref().map(RecordCheckpointer::key);
+        let keys = keys.each_ref().map(String::as_str);
+        self.ledger
+            .wait_for(&keys, number, since, timeout)
+            .map_err(|why| DdpError::Checkpoint {
+                path: checkpointers[0].path(number).display().to_string(),
+                detail: format!("cannot write checkpoint {number}: {why}"),
+            })
+    }
+
+    /// The error of records not all written within `timeout`.
+    pub fn not_written(
+        checkpointers: &[RecordCheckpointer; 3],
+        number: usize,
+        timeout: Duration,
+    ) -> DdpError {
         let records = checkpointers.each_ref().map(RecordCheckpointer::record);
-        let fail = |detail: String| DdpError::Checkpoint {
+        DdpError::Checkpoint {
             path: checkpointers[0].path(number).display().to_string(),
-            detail,
-        };
-        match self.ledger.wait_for(&records, number, since, timeout) {
-            Ok(Some(files)) => Ok(files),
-            Ok(None) => Err(fail(format!(
+            detail: format!(
                 "the records of checkpoint {number} ({}) were not all written within {timeout:?}",
                 records.join(", ")
-            ))),
-            Err(why) => Err(fail(format!("cannot write checkpoint {number}: {why}"))),
+            ),
         }
+    }
+
+    /// The ledger keys of burn-train's epoch records in this directory (model, optimizer, LR
+    /// scheduler).
+    pub fn epoch_keys(&self) -> [String; 3] {
+        Self::epoch_checkpointers(&self.dir, &self.ledger)
+            .each_ref()
+            .map(RecordCheckpointer::key)
     }
 
     /// The state of an epoch checkpoint at `progress`, naming `records` (those written for it now;
@@ -210,7 +244,8 @@ impl Checkpoints {
     /// The state of step checkpoint `progress.synchronisations` of this run, naming `records`,
     /// signed when the job has a key, written to [`step_state_path`](Self::step_state_path); then
     /// this run's step checkpoints older than the one before it are removed (the last two
-    /// stay).
+    /// stay), and those numbered above it (an abandoned timeline's, after a resume from an
+    /// earlier point).
     ///
     /// # Errors
     /// [`DdpError::Checkpoint`] naming the file that could not be written or removed.
@@ -234,25 +269,35 @@ impl Checkpoints {
             state.sign(key);
         }
         state.write_to(&self.step_state_path(state.number))?;
-        for older in StepState::list(&self.dir)
+        // This run's other step checkpoints: older than the one before this go; newer-numbered
+        // ones are an abandoned timeline's (numbers only grow along one), and go too, lest a
+        // resume take them.
+        let mut own: Vec<u64> = StepState::list(&self.dir)
             .into_iter()
             .flatten()
-            .filter(|s| s.run_id == self.run_id && s.number < state.number)
-            .skip(1)
-        {
-            self.remove_step(&older)?;
+            .filter(|s| s.run_id == self.run_id && s.number != state.number)
+            .map(|s| s.number)
+            .collect();
+        own.sort_unstable_by(|a, b| b.cmp(a));
+        let previous = own.iter().copied().find(|&n| n < state.number);
+        for number in own {
+            if number > state.number || Some(number) != previous {
+                self.remove_step(number)?;
+            }
         }
         Ok(state)
     }
 
-    /// Removes step checkpoint `state` of this run: its state file first (an interrupted removal
-    /// never leaves a state without its records), then its records. Missing files are fine.
+    /// Removes this run's step checkpoint `number`: its state file first (an interrupted removal
+    /// never leaves a state without its records), then its records, at the names this run's
+    /// checkpointers give them (never names read from a state file). Missing files are fine.
     ///
     /// # Errors
     /// [`DdpError::Checkpoint`] naming a file that exists but cannot be removed.
-    fn remove_step(&self, state: &StepState) -> Result<()> {
-        let records = state.records.iter().map(|r| self.dir.join(&r.name));
-        for path in std::iter::once(self.step_state_path(state.number)).chain(records) {
+    fn remove_step(&self, number: u64) -> Result<()> {
+        let index = usize::try_from(number).unwrap_or(usize::MAX);
+        let records = self.step_checkpointers().map(|c| c.path(index));
+        for path in std::iter::once(self.step_state_path(number)).chain(records) {
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(DdpError::Checkpoint {
@@ -273,7 +318,8 @@ impl Checkpoints {
     /// # Errors
     /// [`DdpError::Checkpoint`] naming a state file that exists but cannot be removed.
     pub fn forget_deleted_epochs(&self, since: Mark) -> Result<()> {
-        for epoch in self.ledger.deleted_since(RECORDS[0], since) {
+        let [model, _, _] = self.epoch_keys();
+        for epoch in self.ledger.deleted_since(&model, since) {
             let path = self.epoch_state_path(epoch);
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -397,6 +443,51 @@ mod tests {
             theirs.verify(dir.path(), run.key()).is_err(),
             "not this job's"
         );
+    }
+
+    #[test]
+    fn pruning_removes_an_abandoned_timeline_and_only_this_runs_own_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = Checkpoints::new(dir.path(), &identity("run-a", None), Ledger::default());
+        let write = |number: u64| {
+            let checkpointers = run.step_checkpointers();
+            let mark = run.ledger().mark();
+            for checkpointer in &checkpointers {
+                Checkpointer::<ModuleRecord>::save(checkpointer, number as usize, record())
+                    .unwrap();
+            }
+            let files = run
+                .written(
+                    &checkpointers,
+                    number as usize,
+                    mark,
+                    Duration::from_secs(5),
+                )
+                .unwrap();
+            run.write_step_state(progress(number), files).unwrap()
+        };
+        for number in [10, 20] {
+            write(number);
+        }
+        // A state of this run naming a file outside its names: pruning never removes it.
+        let bystander = dir.path().join("precious.txt");
+        std::fs::write(&bystander, b"not a checkpoint").unwrap();
+        let mut crafted = StepState::read_from(&run.step_state_path(20))
+            .unwrap()
+            .unwrap();
+        crafted.number = 6;
+        crafted.records[0].name = "precious.txt".into();
+        crafted.write_to(&run.step_state_path(6)).unwrap();
+        // Resumed from 10, the run writes 11: 20 is another timeline's, 6 older than the one
+        // before.
+        write(11);
+        let left: Vec<u64> = StepState::list(dir.path())
+            .into_iter()
+            .map(|s| s.unwrap().number)
+            .collect();
+        assert_eq!(left, vec![11, 10]);
+        assert!(bystander.exists(), "only this run's own names are removed");
+        assert!(!run.step_checkpointers()[0].path(20).exists());
     }
 
     #[test]

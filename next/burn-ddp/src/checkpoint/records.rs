@@ -24,6 +24,25 @@ pub(crate) struct RecordFile {
 }
 
 impl RecordFile {
+    /// The file in `dir`, when its name is one plain file name (a state's names are not
+    /// trusted: no separator, no `..`, nothing absolute).
+    ///
+    /// # Errors
+    /// A message naming the name.
+    pub fn path_in(&self, dir: &Path) -> std::result::Result<PathBuf, String> {
+        let mut components = Path::new(&self.name).components();
+        match (components.next(), components.next()) {
+            (Some(std::path::Component::Normal(name)), None) if name == self.name.as_str() => {
+                Ok(dir.join(name))
+            }
+            _ => Err(format!(
+                "its state names the record file {:?}, which is not a file name in the \
+                 checkpoint's directory",
+                self.name
+            )),
+        }
+    }
+
     /// Whether `sha256`, the hash of the bytes at `path`, is this record's.
     ///
     /// # Errors
@@ -41,7 +60,10 @@ impl RecordFile {
     }
 }
 
-/// What a [`RecordCheckpointer`] did, in the order it did it.
+/// What a [`RecordCheckpointer`] did, in the order it did it. `record` is the checkpointer's
+/// [`key`](RecordCheckpointer::key): its directory and record name, so that checkpointers of
+/// several directories can share a ledger (clones of one `DdpConfig`) without one's entries
+/// answering for another's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Entry {
     /// Record `record` of checkpoint `number` was written, with this file and hash.
@@ -126,6 +148,20 @@ impl Ledger {
             .collect()
     }
 
+    /// Why the latest write of record `record` failed, when its latest write (of any number)
+    /// failed.
+    pub fn latest_failure(&self, record: &str) -> Option<String> {
+        let (entries, _) = &*self.entries;
+        let entries = entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        entries.iter().rev().find_map(|entry| match entry {
+            Entry::Written { record: r, .. } if r == record => Some(None),
+            Entry::Failed { record: r, why, .. } if r == record => Some(Some(why.clone())),
+            _ => None,
+        })?
+    }
+
     /// Whether record `record` of checkpoint `number` was read after `since`, by a checkpointer
     /// sharing this ledger.
     pub fn was_read(&self, record: &str, number: usize, since: Mark) -> bool {
@@ -198,8 +234,10 @@ impl Ledger {
 /// burn-ddp's checkpointer of one kind of record (see the [module docs](self)): checkpoint `n` is
 /// the file `<dir>/<record>-<n>.bpk`, burn-train's own names, written atomically (temporary
 /// name, sync, rename: the old file or the complete new one, never half written), its SHA-256
-/// noted in the ledger it shares with the others of its run. Reading and deleting are
-/// burn-train's `FileCheckpointer`'s.
+/// noted in the ledger it shares with the others of its run, as are its reads and deletions.
+/// A read takes the whole file into memory and parses it as burn-train's `FileCheckpointer`
+/// does; a deletion after this record's latest write failed is refused, so that a
+/// checkpointing strategy's `[Save(e), Delete(e - n)]` never leaves no good checkpoint.
 #[derive(Debug, Clone)]
 pub struct RecordCheckpointer {
     dir: PathBuf,
@@ -231,6 +269,11 @@ impl RecordCheckpointer {
     pub fn record(&self) -> &str {
         &self.record
     }
+
+    /// Its entries' key in the ledger: `<dir>/<record>`.
+    pub(crate) fn key(&self) -> String {
+        self.dir.join(&self.record).to_string_lossy().into_owned()
+    }
 }
 
 impl<R: Checkpoint> Checkpointer<R> for RecordCheckpointer {
@@ -254,7 +297,7 @@ impl<R: Checkpoint> Checkpointer<R> for RecordCheckpointer {
         match written {
             Ok(sha256) => {
                 self.ledger.note(Entry::Written {
-                    record: self.record.clone(),
+                    record: self.key(),
                     number,
                     file: RecordFile {
                         name: self.file_name(number),
@@ -265,7 +308,7 @@ impl<R: Checkpoint> Checkpointer<R> for RecordCheckpointer {
             }
             Err(e) => {
                 self.ledger.note(Entry::Failed {
-                    record: self.record.clone(),
+                    record: self.key(),
                     number,
                     why: format!("{}: {e}", path.display()),
                 });
@@ -279,13 +322,19 @@ impl<R: Checkpoint> Checkpointer<R> for RecordCheckpointer {
     /// # Errors
     /// The file exists but cannot be removed.
     fn delete(&self, number: usize) -> Result<(), CheckpointerError> {
+        if let Some(why) = self.ledger.latest_failure(&self.key()) {
+            return Err(CheckpointerError::Unknown(format!(
+                "{} is kept: this record's latest write failed ({why})",
+                self.path(number).display()
+            )));
+        }
         match std::fs::remove_file(self.path(number)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 Err(CheckpointerError::IOError(e))
             }
             _ => {
                 self.ledger.note(Entry::Deleted {
-                    record: self.record.clone(),
+                    record: self.key(),
                     number,
                 });
                 Ok(())
@@ -299,7 +348,7 @@ impl<R: Checkpoint> Checkpointer<R> for RecordCheckpointer {
     /// The file cannot be read, or is no burnpack record of this kind.
     fn restore(&self, number: usize) -> Result<R, CheckpointerError> {
         self.ledger.note(Entry::Read {
-            record: self.record.clone(),
+            record: self.key(),
             number,
         });
         let bytes = std::fs::read(self.path(number)).map_err(CheckpointerError::IOError)?;
@@ -334,7 +383,7 @@ mod tests {
             .collect();
         assert_eq!(names, vec!["model-3.bpk"], "no temporary is left");
         let files = ledger
-            .wait_for(&["model"], 3, mark, Duration::from_secs(5))
+            .wait_for(&[&model.key()], 3, mark, Duration::from_secs(5))
             .unwrap()
             .expect("noted");
         assert_eq!(files[0].name, "model-3.bpk");
@@ -351,17 +400,17 @@ mod tests {
         let before_delete = ledger.mark();
         Checkpointer::<ModuleRecord>::delete(&model, 3).unwrap();
         assert!(!dir.path().join("model-3.bpk").exists());
-        assert_eq!(ledger.deleted_since("model", before_delete), vec![3]);
+        assert_eq!(ledger.deleted_since(&model.key(), before_delete), vec![3]);
         assert_eq!(
-            ledger.deleted_since("optim", before_delete),
+            ledger.deleted_since(&format!("{}x", model.key()), before_delete),
             Vec::<usize>::new()
         );
         // Deleting what is not there is fine; restoring it is an error.
         Checkpointer::<ModuleRecord>::delete(&model, 3).unwrap();
         let before_read = ledger.mark();
         assert!(Checkpointer::<ModuleRecord>::restore(&model, 3).is_err());
-        assert!(ledger.was_read("model", 3, before_read));
-        assert!(!ledger.was_read("model", 2, before_read));
+        assert!(ledger.was_read(&model.key(), 3, before_read));
+        assert!(!ledger.was_read(&model.key(), 2, before_read));
     }
 
     #[test]
@@ -375,7 +424,12 @@ mod tests {
         // Written before the mark, or another number: not counted.
         Checkpointer::<ModuleRecord>::save(&optim, 2, layer().into_record()).unwrap();
         assert_eq!(
-            ledger.wait_for(&["model", "optim"], 1, mark, Duration::from_millis(50)),
+            ledger.wait_for(
+                &[&model.key(), &optim.key()],
+                1,
+                mark,
+                Duration::from_millis(50)
+            ),
             Ok(None)
         );
         let writer = {
@@ -386,7 +440,12 @@ mod tests {
             })
         };
         let files = ledger
-            .wait_for(&["model", "optim"], 2, mark, Duration::from_secs(10))
+            .wait_for(
+                &[&model.key(), &optim.key()],
+                2,
+                mark,
+                Duration::from_secs(10),
+            )
             .unwrap()
             .expect("both written");
         writer.join().unwrap();
@@ -409,7 +468,7 @@ mod tests {
         assert!(Checkpointer::<ModuleRecord>::save(&blocked, 1, layer().into_record()).is_err());
         let started = Instant::now();
         let why = ledger
-            .wait_for(&["model"], 1, mark, Duration::from_secs(60))
+            .wait_for(&[&blocked.key()], 1, mark, Duration::from_secs(60))
             .unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(30));
         assert!(why.contains("model-1.bpk"), "{why}");
@@ -419,5 +478,38 @@ mod tests {
         );
         // Not a record of this kind: an error, not a panic.
         assert!(Checkpointer::<ModuleRecord>::restore(&model, 1).is_err());
+        // After its latest write failed, an older checkpoint is not deleted (a strategy's
+        // `Delete(e - n)` after a failed `Save(e)`); a good write lifts that.
+        assert!(Checkpointer::<ModuleRecord>::delete(&blocked, 0).is_err());
+        // Another directory's checkpointer sharing the ledger is not held back by it.
+        let elsewhere = tempfile::tempdir().unwrap();
+        let other = RecordCheckpointer::new(elsewhere.path(), "model", ledger.clone());
+        Checkpointer::<ModuleRecord>::delete(&other, 1).unwrap();
+        std::fs::remove_file(dir.path().join("model-1.bpk")).unwrap();
+        Checkpointer::<ModuleRecord>::save(&blocked, 2, layer().into_record()).unwrap();
+        Checkpointer::<ModuleRecord>::delete(&blocked, 0).unwrap();
+    }
+
+    #[test]
+    fn a_record_file_name_from_a_state_is_one_plain_file_name() {
+        let dir = Path::new("/checkpoints");
+        let named = |name: &str| RecordFile {
+            name: name.into(),
+            sha256: String::new(),
+        };
+        assert_eq!(
+            named("model-3.bpk").path_in(dir),
+            Ok(dir.join("model-3.bpk"))
+        );
+        for bad in [
+            "../model-3.bpk",
+            "/etc/passwd",
+            "sub/model.bpk",
+            "",
+            ".",
+            "..",
+        ] {
+            assert!(named(bad).path_in(dir).is_err(), "{bad:?}");
+        }
     }
 }

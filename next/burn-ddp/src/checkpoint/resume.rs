@@ -138,6 +138,8 @@ fn epoch_checkpoints(dir: &Path) -> Vec<usize> {
                 .parse()
                 .ok()
         })
+        // burn-train counts from 1; the next epoch's number must exist.
+        .filter(|epoch: &usize| (1..usize::MAX).contains(epoch))
         .collect();
     epochs.sort_unstable_by(|a, b| b.cmp(a));
     epochs.dedup();
@@ -150,12 +152,26 @@ fn candidates_in(dir: &Path) -> (Vec<Candidate>, Vec<String>) {
     let mut unreadable = Vec::new();
     for state in StepState::list(dir) {
         match state {
+            Ok(state) if state.epoch == 0 => unreadable.push(format!(
+                "{}: it says epoch 0 (burn-train counts epochs from 1)",
+                state.file_in(dir).display()
+            )),
             Ok(state) => found.push(Candidate::Step(state)),
             Err(e) => unreadable.push(e.to_string()),
         }
     }
     for epoch in epoch_checkpoints(dir) {
-        let state = match EpochState::read_from(&EpochState::path(dir, epoch)) {
+        let path = EpochState::path(dir, epoch);
+        let state = match EpochState::read_from(&path) {
+            Ok(Some(state)) if state.epoch != epoch => {
+                // A state renamed (or copied) to another epoch's name: it says another epoch.
+                unreadable.push(format!(
+                    "{}: it is the state of epoch {}, not of epoch {epoch}",
+                    path.display(),
+                    state.epoch
+                ));
+                continue;
+            }
             Ok(state) => state,
             Err(e) => {
                 unreadable.push(e.to_string());
@@ -193,6 +209,11 @@ fn pointed_at(path: &Path) -> Result<(PathBuf, Vec<Candidate>)> {
     if name.starts_with("ddp-step-") && name.ends_with(".json") {
         let state = StepState::read_from(path)?
             .ok_or_else(|| not_one("no step checkpoint state there".into()))?;
+        if state.epoch == 0 {
+            return Err(not_one(
+                "it says epoch 0 (burn-train counts epochs from 1)".into(),
+            ));
+        }
         return Ok((dir, vec![Candidate::Step(state)]));
     }
     let epoch = name
@@ -202,6 +223,12 @@ fn pointed_at(path: &Path) -> Result<(PathBuf, Vec<Candidate>)> {
     if let Some(epoch) = epoch {
         let state = EpochState::read_from(path)?
             .ok_or_else(|| not_one("no epoch checkpoint state there".into()))?;
+        if state.epoch != epoch || epoch == 0 || epoch == usize::MAX {
+            return Err(not_one(format!(
+                "it is the state of epoch {}, not of epoch {epoch}",
+                state.epoch
+            )));
+        }
         return Ok((
             dir,
             vec![Candidate::Epoch {
@@ -239,15 +266,19 @@ pub(crate) fn prepare<M: LearnerModel>(
     resuming: &Resuming<'_>,
 ) -> Result<(Option<Learner<M>>, Resume)> {
     // burn-train's own `SupervisedTraining::checkpoint(epoch)` continues whichever run wrote
-    // that checkpoint, as the user asked.
-    let refuse_foreign = || match starting_epoch {
-        0 | 1 => refuse_foreign_epoch_checkpoints(config, resuming),
+    // that checkpoint, as the user asked; without burn-train's checkpointer this run writes no
+    // epoch files to overwrite another's with.
+    let refuse_foreign = || match (epochs, starting_epoch) {
+        (Some(_), 0 | 1) => refuse_foreign_epoch_checkpoints(config, resuming),
         _ => Ok(()),
     };
     let asked = config.resume() || config.resume_from().is_some();
+    // After burn-train's `checkpoint(k)` (and nothing newer resumed) the run's counters are
+    // those of epoch k's state, so step checkpoints keep their numbering.
+    let after_burn_trains = || after_epoch(config, starting_epoch, resuming);
     if !asked && !resuming.restarted {
         refuse_foreign()?;
-        return Ok((None, Resume::from_start(starting_epoch)));
+        return Ok((None, after_burn_trains()));
     }
     let (dir, found, own_only) = if let Some(path) = config.resume_from() {
         let (dir, found) = pointed_at(path)?;
@@ -265,7 +296,7 @@ pub(crate) fn prepare<M: LearnerModel>(
                 .into(),
         ));
     } else {
-        return Ok((None, Resume::from_start(starting_epoch)));
+        return Ok((None, after_burn_trains()));
     };
     let (mine, theirs): (Vec<Candidate>, Vec<Candidate>) = found
         .into_iter()
@@ -286,11 +317,35 @@ pub(crate) fn prepare<M: LearnerModel>(
         Some((learner, resume)) => (Some(learner), resume),
         None => {
             nothing_to_resume(&dir, &theirs, &skipped, resuming, asked)?;
-            (None, Resume::from_start(starting_epoch))
+            (None, after_burn_trains())
         }
     };
     refuse_foreign()?;
     Ok((learner, resume))
+}
+
+/// Where a run starts that resumed nothing of burn-ddp's: `starting_epoch` (after burn-train's
+/// own `SupervisedTraining::checkpoint(starting_epoch - 1)`), with the counters of that epoch's
+/// state in the checkpoint directory when there is one (whichever run wrote it: burn-train's
+/// checkpoint is taken as the user asked), else from 0.
+fn after_epoch(config: &DdpConfig, starting_epoch: usize, resuming: &Resuming<'_>) -> Resume {
+    let mut resume = Resume::from_start(starting_epoch);
+    let (Some(dir), Some(finished)) = (config.checkpoint_dir(), starting_epoch.checked_sub(1))
+    else {
+        return resume;
+    };
+    if finished == 0 {
+        return resume;
+    }
+    match EpochState::read_from(&EpochState::path(dir, finished)) {
+        Ok(Some(state)) if state.epoch == finished => {
+            resume.optimizer_steps = state.optimizer_steps;
+            resume.synchronisations = state.synchronisations;
+        }
+        Ok(_) => {}
+        Err(e) => warn_console(&format!("rank {}: {e}", resuming.rank)),
+    }
+    resume
 }
 
 /// burn-train writes its epoch checkpoints (`model-<epoch>.bpk`, ...) under names that carry no
@@ -426,7 +481,7 @@ impl<M: LearnerModel> Loading<'_, M> {
                 synchronisations: state.number,
             },
             Candidate::Epoch { epoch, state } => {
-                let mut resume = Resume::from_start(epoch + 1);
+                let mut resume = Resume::from_start(epoch.saturating_add(1));
                 if let Some(state) = state {
                     resume.optimizer_steps = state.optimizer_steps;
                     resume.synchronisations = state.synchronisations;
@@ -875,21 +930,44 @@ mod tests {
         assert!(err.contains("none of run run-a's checkpoints"), "{err}");
     }
 
+    /// burn-train's checkpointer of `dir`, as `SupervisedTraining` hands it to the strategy.
+    fn burn_trains(dir: &Path) -> LearningCheckpointer<Regressor> {
+        use burn::train::checkpoint::{AsyncCheckpointer, KeepLastNCheckpoints};
+        let [model, optim, scheduler] = Checkpoints::epoch_checkpointers(dir, &Ledger::default());
+        LearningCheckpointer::new(
+            AsyncCheckpointer::new(model),
+            AsyncCheckpointer::new(optim),
+            AsyncCheckpointer::new(scheduler),
+            Box::new(KeepLastNCheckpoints::new(2)),
+        )
+    }
+
     #[test]
     fn another_runs_epoch_checkpoints_are_not_overwritten_unless_allowed() {
         let dir = tempfile::tempdir().unwrap();
         let mine = run(dir.path(), "run-a");
         let theirs = run(dir.path(), "run-b");
         epoch(&theirs, 1);
+        let checkpointer = burn_trains(dir.path());
+        let with_epochs = |config: &DdpConfig, who: &Resuming<'_>| {
+            prepare(config, &learner(), Some(&checkpointer), 1, who).map(|(l, r)| (l.is_some(), r))
+        };
         let fresh = DdpConfig::default().with_checkpoint_dir(dir.path());
-        let err = resume(&fresh, &resuming(&mine, 2)).unwrap_err().to_string();
+        let err = with_epochs(&fresh, &resuming(&mine, 2))
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("run run-b") && err.contains("with_overwrite_checkpoints"),
             "{err}"
         );
         let allowed = fresh.clone().with_overwrite_checkpoints(true);
         assert_eq!(
-            resume(&allowed, &resuming(&mine, 2)).unwrap(),
+            with_epochs(&allowed, &resuming(&mine, 2)).unwrap(),
+            (false, Resume::from_start(1))
+        );
+        // Without burn-train's checkpointer this run writes no epoch files: nothing to refuse.
+        assert_eq!(
+            resume(&fresh, &resuming(&mine, 2)).unwrap(),
             (None, Resume::from_start(1))
         );
         // Its own epoch checkpoints are no reason to refuse.
@@ -897,6 +975,88 @@ mod tests {
         let again = run(own.path(), "run-a");
         epoch(&again, 1);
         let config = DdpConfig::default().with_checkpoint_dir(own.path());
-        assert!(resume(&config, &resuming(&again, 2)).is_ok());
+        let checkpointer = burn_trains(own.path());
+        assert!(
+            prepare(
+                &config,
+                &learner(),
+                Some(&checkpointer),
+                1,
+                &resuming(&again, 2)
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn a_state_under_another_epochs_name_is_not_that_epoch() {
+        let dir = tempfile::tempdir().unwrap();
+        let mine = run(dir.path(), "run-a");
+        let config = DdpConfig::default()
+            .with_checkpoint_dir(dir.path())
+            .with_resume(true);
+        let epoch_1 = epoch(&mine, 1);
+        epoch(&mine, 2);
+        // Epoch 1's state (and records) put under epoch 2's names.
+        for name in ["ddp-state", "model", "optim", "scheduler"] {
+            let ext = if name == "ddp-state" { "json" } else { "bpk" };
+            std::fs::copy(
+                dir.path().join(format!("{name}-1.{ext}")),
+                dir.path().join(format!("{name}-2.{ext}")),
+            )
+            .unwrap();
+        }
+        let (values, at) = resume(&config, &resuming(&mine, 2)).unwrap();
+        assert_eq!(values.as_ref(), Some(&epoch_1));
+        assert_eq!(at.starting_epoch, 2, "resumed as epoch 1, not as epoch 2");
+        let pointed = DdpConfig::default().with_resume_from(EpochState::path(dir.path(), 2));
+        let err = resume(&pointed, &resuming(&mine, 2))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not of epoch 2"), "{err}");
+    }
+
+    #[test]
+    fn a_step_state_of_epoch_0_is_not_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let mine = run(dir.path(), "run-a");
+        let config = DdpConfig::default()
+            .with_checkpoint_dir(dir.path())
+            .with_resume(true);
+        let step_1_2 = step(&mine, 1, 2, 2);
+        let mut zero = StepState::read_from(&mine.step_state_path(2))
+            .unwrap()
+            .unwrap();
+        zero.epoch = 0;
+        zero.number = 50;
+        zero.write_to(&mine.step_state_path(50)).unwrap();
+        let (values, at) = resume(&config, &resuming(&mine, 2)).unwrap();
+        assert_eq!(values.as_ref(), Some(&step_1_2));
+        assert_eq!(at.starting_epoch, 1);
+        let pointed = DdpConfig::default().with_resume_from(mine.step_state_path(50));
+        let err = resume(&pointed, &resuming(&mine, 2))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("epoch 0"), "{err}");
+    }
+
+    #[test]
+    fn after_burn_trains_own_checkpoint_the_counters_are_its_epochs() {
+        let dir = tempfile::tempdir().unwrap();
+        let mine = run(dir.path(), "run-a");
+        epoch(&mine, 1);
+        let config = DdpConfig::default().with_checkpoint_dir(dir.path());
+        // `SupervisedTraining::checkpoint(1)`: burn-train loaded epoch 1, the run starts at 2.
+        let (loaded, at) = prepare(&config, &learner(), None, 2, &resuming(&mine, 2)).unwrap();
+        assert!(loaded.is_none());
+        assert_eq!(
+            at,
+            Resume {
+                starting_epoch: 2,
+                batches: 0,
+                optimizer_steps: 10,
+                synchronisations: 10
+            }
+        );
     }
 }

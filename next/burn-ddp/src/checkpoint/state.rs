@@ -141,7 +141,7 @@ pub(crate) trait SignedState: Serialize + DeserializeOwned + Clone {
     fn verify(&self, dir: &Path, key: Option<&CheckpointKey>) -> std::result::Result<(), String> {
         self.check_signature(key)?;
         for record in self.records() {
-            let path = dir.join(&record.name);
+            let path = record.path_in(dir)?;
             let actual = file_sha256(&path).map_err(|e| format!("{}: {e}", path.display()))?;
             record.check(&path, &actual)?;
         }

@@ -12,7 +12,7 @@ use burn::train::checkpoint::{
     AsyncCheckpointer, Checkpoint, CheckpointingAction, CheckpointingStrategy,
 };
 use burn::train::metric::store::EventStoreClient;
-use burn::train::{Learner, LearnerModel, LearningCheckpointer};
+use burn::train::{Interrupter, Learner, LearnerModel, LearningCheckpointer};
 use burn_ddp_comm::auth::CheckpointKey;
 
 use super::file::sha256_hex;
@@ -36,6 +36,9 @@ pub(crate) struct StepCheckpointer<M: LearnerModel> {
     checkpoints: Checkpoints,
     records: [RecordCheckpointer; 3],
     learning: LearningCheckpointer<M>,
+    /// Set when a save's records were not written in time: burn-train's checkpointer thread may
+    /// still be busy, and a next save would wait for it unbounded.
+    stuck: Option<String>,
 }
 
 impl<M: LearnerModel> StepCheckpointer<M> {
@@ -43,15 +46,20 @@ impl<M: LearnerModel> StepCheckpointer<M> {
     pub fn new(checkpoints: &Checkpoints) -> Self {
         let records = checkpoints.step_checkpointers();
         let [model, optim, scheduler] = records.clone();
+        // burn-train's checkpointer thread panics on a failed write without an interrupter (and
+        // then every later message to it): the ledger reports the failure, the interrupter only
+        // keeps the thread alive.
+        let quiet = Interrupter::new;
         Self {
             checkpoints: checkpoints.clone(),
             records,
             learning: LearningCheckpointer::new(
-                AsyncCheckpointer::new(model),
-                AsyncCheckpointer::new(optim),
-                AsyncCheckpointer::new(scheduler),
+                AsyncCheckpointer::new(model).with_interrupter(quiet()),
+                AsyncCheckpointer::new(optim).with_interrupter(quiet()),
+                AsyncCheckpointer::new(scheduler).with_interrupter(quiet()),
                 Box::new(SaveEach),
             ),
+            stuck: None,
         }
     }
 
@@ -63,7 +71,8 @@ impl<M: LearnerModel> StepCheckpointer<M> {
     ///
     /// # Errors
     /// [`DdpError::Checkpoint`](crate::DdpError::Checkpoint) naming the file that could not be
-    /// written or removed, or the records not written within `timeout`.
+    /// written or removed, or the records not written within `timeout` (then every later save
+    /// too: the writer may still be busy).
     pub fn save(
         &mut self,
         learner: &Learner<M>,
@@ -72,11 +81,24 @@ impl<M: LearnerModel> StepCheckpointer<M> {
         timeout: Duration,
     ) -> Result<StepState> {
         let number = usize::try_from(progress.synchronisations).unwrap_or(usize::MAX);
+        if let Some(why) = &self.stuck {
+            return Err(crate::DdpError::Checkpoint {
+                path: self.records[0].path(number).display().to_string(),
+                detail: format!(
+                    "no step checkpoint is written after an earlier one stalled: {why}"
+                ),
+            });
+        }
         let since = self.checkpoints.ledger().mark();
         self.learning.checkpoint(learner, number, store);
-        let files = self
+        let written = self
             .checkpoints
-            .written(&self.records, number, since, timeout)?;
+            .wait_written(&self.records, number, since, timeout)?;
+        let Some(files) = written else {
+            let err = Checkpoints::not_written(&self.records, number, timeout);
+            self.stuck = Some(err.to_string());
+            return Err(err);
+        };
         self.checkpoints.write_step_state(progress, files)
     }
 }
@@ -128,7 +150,7 @@ impl Records {
 
 /// Reads `record`'s file in `dir` once, checks its SHA-256 and parses it.
 fn read_checked<R: Checkpoint>(dir: &Path, record: &RecordFile) -> std::result::Result<R, String> {
-    let path = dir.join(&record.name);
+    let path = record.path_in(dir)?;
     let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     record.check(&path, &sha256_hex(&bytes))?;
     R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| {
@@ -267,5 +289,46 @@ mod tests {
         assert_eq!(state.records.len(), 3);
         assert_eq!(state.verify(checkpoints.dir(), checkpoints.key()), Ok(()));
         assert!(checkpoints.step_state_path(2).exists());
+    }
+
+    #[test]
+    fn a_step_checkpoint_that_cannot_be_written_is_an_error_each_time_not_a_panic() {
+        use crate::fixtures::{Regressor, inside_burn_train};
+        use burn::optim::AdamConfig;
+
+        let dir = tempfile::tempdir().unwrap();
+        // A file where the checkpoint directory should be: every write fails.
+        let blocked = dir.path().join("checkpoint");
+        std::fs::write(&blocked, b"a file").unwrap();
+        let identity = JobIdentity::new("run-a", None).unwrap();
+        let checkpoints = Checkpoints::new(&blocked, &identity, Ledger::default());
+        let device = crate::replica::tests::test_device();
+        let learner = Learner::new(Regressor::new(&device), AdamConfig::new().init(), 1e-2);
+        let (sender, receiver) = std::sync::mpsc::channel();
+        inside_burn_train(dir.path(), learner, move |learner, store| {
+            let mut writer = StepCheckpointer::new(&checkpoints);
+            let errors: Vec<String> = (1..=2)
+                .map(|number| {
+                    let progress = Progress {
+                        epoch: 1,
+                        batches: number,
+                        world_size: 1,
+                        optimizer_steps: number as u64,
+                        synchronisations: number as u64,
+                    };
+                    writer
+                        .save(learner, progress, store, Duration::from_secs(30))
+                        .unwrap_err()
+                        .to_string()
+                })
+                .collect();
+            // Dropping the writer ends burn-train's checkpointer threads, which must be alive.
+            drop(writer);
+            sender.send(errors).unwrap();
+        });
+        let errors = receiver.recv_timeout(Duration::from_secs(60)).unwrap();
+        for error in &errors {
+            assert!(error.contains("cannot write checkpoint"), "{error}");
+        }
     }
 }

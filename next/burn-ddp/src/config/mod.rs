@@ -212,8 +212,9 @@ impl DdpConfig {
     }
 
     /// The checkpoint directory: use burn-train's, `<artifact dir>/checkpoint`. Rank 0 writes
-    /// `ddp-state-<epoch>.json` there after every epoch (world size, epoch, optimizer steps, the
-    /// SHA-256 of the records written with [`checkpointers`](Self::checkpointers)), atomically,
+    /// `ddp-state-<epoch>.json` there after every epoch burn-train checkpoints (world size,
+    /// epoch, optimizer steps, the SHA-256 of the records written with
+    /// [`checkpointers`](Self::checkpointers)), atomically,
     /// next to burn-train's epoch checkpoints, and burn-ddp's step checkpoints (after
     /// a stop signal, or [`with_checkpoint_every`](Self::with_checkpoint_every)); with
     /// [`with_resume`](Self::with_resume) a run starts from the newest complete checkpoint in

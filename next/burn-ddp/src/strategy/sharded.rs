@@ -28,20 +28,21 @@ use crate::sharding::OptimizerShards;
 use crate::sharding::state::{Keys, gather_record, optimizer_state_bytes, own_record};
 use burn_ddp_comm::group::ProcessGroup;
 
-/// A checkpointer that hands each record it is given to a channel (or drops it).
+/// A checkpointer that hands each record it is given to a channel with its number (or drops
+/// it).
 struct ToMemory<R> {
-    sender: Mutex<Option<Sender<R>>>,
+    sender: Mutex<Option<Sender<(usize, R)>>>,
 }
 
 impl<R: Checkpoint> Checkpointer<R> for ToMemory<R> {
-    fn save(&self, _: usize, record: R) -> std::result::Result<(), CheckpointerError> {
+    fn save(&self, number: usize, record: R) -> std::result::Result<(), CheckpointerError> {
         let sender = self
             .sender
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(sender) = &*sender {
             // The reader may be gone (the trainer ended): nothing to keep then.
-            let _ = sender.send(record);
+            let _ = sender.send((number, record));
         }
         Ok(())
     }
@@ -57,7 +58,7 @@ impl<R: Checkpoint> Checkpointer<R> for ToMemory<R> {
     }
 }
 
-fn to_memory<R>(sender: Option<Sender<R>>) -> ToMemory<R> {
+fn to_memory<R>(sender: Option<Sender<(usize, R)>>) -> ToMemory<R> {
     ToMemory {
         sender: Mutex::new(sender),
     }
@@ -72,9 +73,15 @@ impl CheckpointingStrategy for Always {
     }
 }
 
+/// Optimizer records with the numbers of the reads they answer.
+type Numbered = Receiver<(usize, OptimizerRecord)>;
+
 /// Reads a `Learner`'s optimizer record (its checkpointer threads start at the first read).
 pub(super) struct RecordReader<M: LearnerModel> {
-    checkpointer: Option<(LearningCheckpointer<M>, Receiver<OptimizerRecord>)>,
+    checkpointer: Option<(LearningCheckpointer<M>, Numbered)>,
+    /// The number of the next read (a record that comes after its read timed out is told
+    /// apart by its number).
+    next: usize,
     /// burn-train's store (its checkpointing strategies take one; [`Always`] ignores it).
     store: Arc<EventStoreClient>,
 }
@@ -84,6 +91,7 @@ impl<M: LearnerModel> RecordReader<M> {
     pub fn new(store: Arc<EventStoreClient>) -> Self {
         Self {
             checkpointer: None,
+            next: 0,
             store,
         }
     }
@@ -105,16 +113,29 @@ impl<M: LearnerModel> RecordReader<M> {
             );
             (checkpointer, records)
         });
-        checkpointer.checkpoint(learner, 0, &self.store);
-        records
-            .recv_timeout(timeout)
-            .map_err(|e| DdpError::Checkpoint {
-                path: String::new(),
-                detail: format!(
-                    "cannot read the optimizer's record from burn-train's learner within \
-                     {timeout:?}: {e}"
-                ),
-            })
+        let number = self.next;
+        self.next += 1;
+        checkpointer.checkpoint(learner, number, &self.store);
+        let deadline = std::time::Instant::now().checked_add(timeout);
+        loop {
+            let left = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(std::time::Instant::now())
+            });
+            match records.recv_timeout(left) {
+                Ok((n, record)) if n == number => return Ok(record),
+                // A record of an earlier read that timed out: not this one.
+                Ok(_) => {}
+                Err(e) => {
+                    return Err(DdpError::Checkpoint {
+                        path: "<the learner's optimizer record, in memory>".into(),
+                        detail: format!(
+                            "cannot read the optimizer's record from burn-train's learner \
+                             within {timeout:?}: {e}"
+                        ),
+                    });
+                }
+            }
+        }
     }
 
     /// Bytes of `learner`'s optimizer state ([`RankReport::optimizer_state`]); `None` when the
