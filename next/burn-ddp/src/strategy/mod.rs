@@ -6,15 +6,23 @@
 //! ([`metrics_file`]), and the dealer and its loader ([`dealer`], [`dealt_loader`]: one device's
 //! batches of a loader burn-ddp did not build, dealt to the ranks), and a Learner's sharded
 //! optimizer ([`sharded`]: its step, its share of a resumed state, the whole state on rank 0
-//! for a checkpoint). The strategy itself, its workers, epochs and validation follow.
+//! for a checkpoint); and, not yet driven (their caller, the epoch loop, follows), the ranks'
+//! roles and messages ([`rank`]), rank 0's training events ([`events`]: one joined item per
+//! step, burn-train 0.22's `TrainingItem` without a global progress, an event a metric cannot
+//! take failing the interrupter as burn-train's loop does) and validation ([`validation`]: one
+//! device's batches in one device's order, sharded or on rank 0, ending in 0.22's `EndSplit`).
+//! The strategy itself, its workers and epochs follow.
 
 mod dealer;
 mod dealt_loader;
 mod device_group;
+mod events;
 mod handoff;
 mod metrics_file;
 mod policy;
+mod rank;
 mod sharded;
 mod shards;
 mod startup;
+mod validation;
 mod wire;
