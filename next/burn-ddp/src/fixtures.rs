@@ -99,6 +99,39 @@ pub(crate) fn batch(step: usize, rows: usize, device: &Device) -> Batch {
     )
 }
 
+/// Item `i`'s row: its inputs and targets depend on the item alone, so a batch of items is the
+/// rows of its items, however the items are batched.
+#[derive(Clone)]
+struct ByItem;
+
+impl Batcher<usize, Batch> for ByItem {
+    fn batch(&self, items: Vec<usize>, device: &Device) -> Batch {
+        let value = |item: usize, col: usize, salt: usize| {
+            (((item * 7 + col * 3 + salt) % 17) as f32 - 8.0) / 8.0
+        };
+        let rows = items.len();
+        let x: Vec<f32> = items
+            .iter()
+            .flat_map(|&i| (0..4).map(move |c| value(i, c, 0)))
+            .collect();
+        let y: Vec<f32> = items
+            .iter()
+            .flat_map(|&i| (0..2).map(move |c| value(i, c, 5)))
+            .collect();
+        (
+            Tensor::from_data(TensorData::new(x, [rows, 4]), device),
+            Tensor::from_data(TensorData::new(y, [rows, 2]), device),
+        )
+    }
+}
+
+/// A loader of `items` items in batches of `batch_size`, each item its own row ([`ByItem`]).
+pub(crate) fn item_loader(items: usize, batch_size: usize) -> Arc<dyn DataLoader<Batch>> {
+    DataLoaderBuilder::new(ByItem)
+        .batch_size(batch_size)
+        .build(InMemDataset::new((0..items).collect()))
+}
+
 #[derive(Clone)]
 struct Rows;
 

@@ -18,7 +18,8 @@
 //! for the main process ([`metrics`]), the synchronisation-time watch, and (stage 4) the
 //! checkpoints ([`checkpoint`]: burn-ddp's checkpointers of burn-train's records, written
 //! atomically and bound by their SHA-256 to the state of their epoch or step, built from one
-//! run's `Checkpoints`). Their behaviour is
+//! run's `Checkpoints`), and the Learner strategy itself ([`DdpStrategy`], burn-train 0.22's
+//! loop semantics; so far tested against burn-train's single-device strategy in one case). Their behaviour is
 //! the root crate's; the tests are its tests,
 //! ported (on Burn's Flex backend, which 0.23 keeps).
 
@@ -64,7 +65,8 @@ mod replica;
 mod sampler;
 #[allow(dead_code)]
 mod sharding;
-// The Learner strategy's parts ported so far (stage 4); the strategy itself follows.
+// The Learner strategy (stage 4): some of its parts' items have no caller yet (process mode's
+// and the launcher's callers follow).
 #[allow(dead_code)]
 mod strategy;
 #[allow(dead_code)]
@@ -81,4 +83,5 @@ pub use context::{is_main_process, rank, world_size};
 pub use ddp::DistributedDataParallel;
 pub use error::{DdpError, Result};
 pub use sampler::{DistributedDataLoader, DistributedSampler};
+pub use strategy::{DdpStrategy, DdpTraining};
 pub use sync_bn::{SyncBatchNorm, SyncBatchNormBackend, SyncBatchNormConfig};

@@ -94,11 +94,17 @@ impl Checkpoints {
     /// The checkpoints in `dir` of the job `identity` names (its run id, and its checkpoint key
     /// when it has a secret), whose writes burn-ddp's checkpointers note in `ledger`.
     pub fn new(dir: &Path, identity: &JobIdentity, ledger: Ledger) -> Self {
+        Self::of(dir, identity.run_id(), identity.checkpoint_key(), ledger)
+    }
+
+    /// The checkpoints in `dir` of run `run_id`, signed with `key` (the job's, when it has a
+    /// secret), whose writes burn-ddp's checkpointers note in `ledger`.
+    pub fn of(dir: &Path, run_id: &str, key: Option<CheckpointKey>, ledger: Ledger) -> Self {
         Self {
             dir: dir.to_path_buf(),
-            run_id: identity.run_id().to_string(),
-            tag: run_tag(identity.run_id()),
-            key: identity.checkpoint_key(),
+            run_id: run_id.to_string(),
+            tag: run_tag(run_id),
+            key,
             ledger,
         }
     }
