@@ -125,6 +125,29 @@ impl Batcher<usize, Batch> for ByItem {
     }
 }
 
+/// burn-ddp's loader of `items` items for `world_size` ranks, `batch_size` a rank, in order
+/// (no shuffle), each item its own row ([`ByItem`]).
+pub(crate) fn distributed_loader(
+    items: usize,
+    batch_size: usize,
+    world_size: usize,
+    device: &Device,
+) -> Arc<dyn DataLoader<Batch>> {
+    let sampler = crate::DistributedSampler::new(items, world_size)
+        .unwrap()
+        .without_shuffle();
+    Arc::new(
+        crate::DistributedDataLoader::new(
+            Arc::new(InMemDataset::new((0..items).collect())),
+            ByItem,
+            sampler,
+            batch_size,
+            device.clone(),
+        )
+        .unwrap(),
+    )
+}
+
 /// A loader of `items` items in batches of `batch_size`, each item its own row ([`ByItem`]).
 pub(crate) fn item_loader(items: usize, batch_size: usize) -> Arc<dyn DataLoader<Batch>> {
     DataLoaderBuilder::new(ByItem)

@@ -418,31 +418,23 @@ pub(super) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fixtures::{Regressor, item_loader};
+    use crate::fixtures::{Batch, Regressor, distributed_loader, item_loader};
+    use burn::data::dataloader::DataLoader;
     use burn::optim::AdamConfig;
 
-    /// The model after `epochs` epochs of burn-train on 24 training items (`batch_size` a
-    /// batch), with `strategy` (`None`: burn-train's own single-device strategy), and the run's
-    /// error.
+    /// The model after burn-train's `launch` of a learner from `start` on `train` (validation: 8
+    /// items in batches of 4), configured by `configure` (`with_training_strategy` for burn-ddp,
+    /// nothing for burn-train's own single-device strategy), and the run's error.
     fn trained(
         start: &Regressor,
-        strategy: Option<DdpStrategy>,
-        batch_size: usize,
-        epochs: usize,
+        dir: &std::path::Path,
+        train: Arc<dyn DataLoader<Batch>>,
+        configure: impl FnOnce(SupervisedTraining<Regressor>) -> SupervisedTraining<Regressor>,
     ) -> (Vec<f32>, Option<String>) {
-        let dir = tempfile::tempdir().unwrap();
         let learner = Learner::new(start.clone(), AdamConfig::new().init(), 1e-2);
-        let mut training = SupervisedTraining::new(
-            dir.path(),
-            item_loader(24, batch_size),
-            item_loader(8, batch_size),
-        )
-        .num_epochs(epochs)
-        .with_application_logger(None);
-        if let Some(strategy) = strategy {
-            training = training.with_training_strategy(strategy.into());
-        }
-        let result = training.launch(learner);
+        let training =
+            SupervisedTraining::new(dir, train, item_loader(8, 4)).with_application_logger(None);
+        let result = configure(training).launch(learner);
         (result.model.values(), result.error.map(|e| e.to_string()))
     }
 
@@ -453,22 +445,114 @@ mod tests {
                 .all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs()))
     }
 
+    /// A model, its parameters made (Burn initialises them lazily, per clone).
+    fn start() -> (Regressor, Vec<f32>) {
+        let model = Regressor::new(&crate::replica::tests::test_device());
+        let values = model.values();
+        (model, values)
+    }
+
+    fn threads(world_size: usize) -> DdpStrategy {
+        DdpStrategy::new(vec![crate::replica::tests::test_device(); world_size])
+    }
+
     #[test]
     fn two_thread_replicas_train_as_burn_trains_single_device_on_the_global_batch() {
-        let device = crate::replica::tests::test_device();
-        let start = Regressor::new(&device);
-        // Burn initialises a parameter lazily, per clone: make its values before cloning.
-        let initial = start.values();
+        let (start, initial) = start();
+        let dir = tempfile::tempdir().unwrap();
         // Plain burn-train on one device, batches of 8; burn-ddp on 2 thread replicas with
         // batches of 4 each: one device's batches of 4 dealt to the ranks, 8 items a step.
-        let (plain, error) = trained(&start, None, 8, 2);
+        let (plain, error) = trained(&start, dir.path(), item_loader(24, 8), |t| t.num_epochs(2));
         assert_eq!(error, None);
         assert_ne!(plain, initial, "plain burn-train trained");
-        let (ddp, error) = trained(&start, Some(DdpStrategy::new(vec![device; 2])), 4, 2);
+        let (ddp, error) = trained(&start, dir.path(), item_loader(24, 4), |t| {
+            t.num_epochs(2).with_training_strategy(threads(2).into())
+        });
         assert_eq!(error, None);
         assert!(
             close(&ddp, &plain),
             "burn-ddp's model differs from plain burn-train's:\n{ddp:?}\n{plain:?}"
         );
+    }
+
+    #[test]
+    fn accumulation_with_a_short_last_window_is_burn_trains() {
+        let (start, _) = start();
+        let dir = tempfile::tempdir().unwrap();
+        // 3 global steps of 8 an epoch, windows of 2: the epoch's last window is one step, which
+        // burn-train 0.22 steps.
+        let (plain, error) = trained(&start, dir.path(), item_loader(24, 8), |t| {
+            t.num_epochs(2).grads_accumulation(2)
+        });
+        assert_eq!(error, None);
+        let (ddp, error) = trained(&start, dir.path(), item_loader(24, 4), |t| {
+            t.num_epochs(2)
+                .grads_accumulation(2)
+                .with_training_strategy(threads(2).into())
+        });
+        assert_eq!(error, None);
+        assert!(close(&ddp, &plain), "\n{ddp:?}\n{plain:?}");
+        // Without the short window's step the models differ: the case tells.
+        let (dropped, _) = trained(&start, dir.path(), item_loader(16, 8), |t| {
+            t.num_epochs(2).grads_accumulation(2)
+        });
+        assert!(!close(&dropped, &plain));
+    }
+
+    #[test]
+    fn a_distributed_loader_and_zero_1_train_as_one_device() {
+        let (start, _) = start();
+        let device = crate::replica::tests::test_device();
+        let dir = tempfile::tempdir().unwrap();
+        let (plain, error) = trained(&start, dir.path(), item_loader(24, 8), |t| t.num_epochs(2));
+        assert_eq!(error, None);
+        for sharding in [false, true] {
+            let strategy =
+                threads(2).with_config(DdpConfig::default().with_optimizer_sharding(sharding));
+            let (ddp, error) = trained(
+                &start,
+                dir.path(),
+                distributed_loader(24, 4, 2, &device),
+                |t| t.num_epochs(2).with_training_strategy(strategy.into()),
+            );
+            assert_eq!(error, None, "sharding {sharding}");
+            assert!(
+                close(&ddp, &plain),
+                "sharding {sharding}:\n{ddp:?}\n{plain:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_run_resumed_after_its_first_epoch_ends_as_the_uninterrupted_run() {
+        let (start, _) = start();
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint_dir = dir.path().join("checkpoint");
+        let config = || {
+            DdpConfig::default()
+                .with_checkpoint_dir(&checkpoint_dir)
+                .with_run_id("resumed-run")
+        };
+        let run = |epochs: usize, config: DdpConfig, artifacts: &std::path::Path| {
+            let [model, optim, scheduler] = config.checkpointers().unwrap();
+            trained(&start, artifacts, item_loader(24, 4), move |t| {
+                t.num_epochs(epochs)
+                    .with_custom_checkpointers(model, optim, scheduler)
+                    .with_training_strategy(threads(2).with_config(config).into())
+            })
+        };
+        let elsewhere = tempfile::tempdir().unwrap();
+        let uninterrupted_config = DdpConfig::default()
+            .with_checkpoint_dir(elsewhere.path().join("checkpoint"))
+            .with_run_id("uninterrupted");
+        let (uninterrupted, error) = run(2, uninterrupted_config, elsewhere.path());
+        assert_eq!(error, None);
+        let (after_one, error) = run(1, config(), dir.path());
+        assert_eq!(error, None);
+        assert!(checkpoint_dir.join("ddp-state-1.json").exists());
+        let (resumed, error) = run(2, config().with_resume(true), dir.path());
+        assert_eq!(error, None);
+        assert_ne!(after_one, uninterrupted);
+        assert_eq!(resumed, uninterrupted, "resumed bit for bit");
     }
 }
