@@ -555,4 +555,44 @@ mod tests {
         assert_ne!(after_one, uninterrupted);
         assert_eq!(resumed, uninterrupted, "resumed bit for bit");
     }
+
+    #[test]
+    fn two_ranks_over_loopback_tcp_train_as_one_device() {
+        use burn_ddp_comm::group::loopback_groups;
+        let (start, _) = start();
+        let device = crate::replica::tests::test_device();
+        let dir = tempfile::tempdir().unwrap();
+        let (plain, error) = trained(&start, dir.path(), item_loader(24, 8), |t| t.num_epochs(2));
+        assert_eq!(error, None);
+        // Each rank as a process would run it (its own SupervisedTraining and strategy), here on
+        // a thread each, meeting over loopback TCP.
+        let (_store, groups) = loopback_groups(2, std::time::Duration::from_secs(30));
+        let ranks: Vec<(Vec<f32>, Option<String>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|group| {
+                    let (start, device) = (&start, device.clone());
+                    s.spawn(move || {
+                        let artifacts = tempfile::tempdir().unwrap();
+                        let strategy = DdpStrategy::with_process_group(
+                            device.clone(),
+                            Arc::new(group) as Arc<dyn ProcessGroup>,
+                        );
+                        trained(
+                            start,
+                            artifacts.path(),
+                            distributed_loader(24, 4, 2, &device),
+                            |t| t.num_epochs(2).with_training_strategy(strategy.into()),
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (model, error)) in ranks.iter().enumerate() {
+            assert_eq!(error, &None, "rank {rank}");
+            assert!(close(model, &plain), "rank {rank}:\n{model:?}\n{plain:?}");
+        }
+        assert_eq!(ranks[0].0, ranks[1].0, "the replicas are bit-identical");
+    }
 }
