@@ -148,6 +148,19 @@ pub(crate) fn distributed_loader(
     )
 }
 
+/// Burn's shuffled loader (its guide's `.shuffle(seed)`) of `items` items in batches of
+/// `batch_size`, each item its own row ([`ByItem`]).
+pub(crate) fn shuffled_loader(
+    items: usize,
+    batch_size: usize,
+    seed: u64,
+) -> Arc<dyn DataLoader<Batch>> {
+    DataLoaderBuilder::new(ByItem)
+        .batch_size(batch_size)
+        .shuffle(seed)
+        .build(InMemDataset::new((0..items).collect()))
+}
+
 /// A loader of `items` items in batches of `batch_size`, each item its own row ([`ByItem`]).
 pub(crate) fn item_loader(items: usize, batch_size: usize) -> Arc<dyn DataLoader<Batch>> {
     DataLoaderBuilder::new(ByItem)

@@ -595,4 +595,47 @@ mod tests {
         }
         assert_eq!(ranks[0].0, ranks[1].0, "the replicas are bit-identical");
     }
+
+    #[test]
+    fn validation_with_burns_shuffled_loader_is_one_devices_batch_for_batch() {
+        use crate::fixtures::shuffled_loader;
+        use burn::train::metric::LossMetric;
+        // Learning rate 0: only validation can differ. 10 validation items in shuffled batches
+        // of 4 (a short last batch), the case of the issue that made 0.21 shard validation as
+        // one device does.
+        let (start, _) = start();
+        let losses = |strategy: Option<DdpStrategy>| {
+            let dir = tempfile::tempdir().unwrap();
+            let learner = Learner::new(start.clone(), AdamConfig::new().init(), 0.0);
+            let mut training =
+                SupervisedTraining::new(dir.path(), item_loader(16, 4), shuffled_loader(10, 4, 7))
+                    .num_epochs(2)
+                    .metrics((LossMetric::new(),))
+                    .with_application_logger(None);
+            if let Some(strategy) = strategy {
+                training = training.with_training_strategy(strategy.into());
+            }
+            let result = training.launch(learner);
+            assert!(result.error.is_none(), "{:?}", result.error);
+            (1..=2)
+                .map(|epoch| {
+                    let path = dir.path().join(format!("valid/epoch-{epoch}/Loss.log"));
+                    std::fs::read_to_string(&path)
+                        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+                })
+                .collect::<Vec<_>>()
+        };
+        let plain = losses(None);
+        // Three batches and the epoch's value.
+        assert_eq!(plain[0].lines().count(), 4, "{plain:?}");
+        assert_ne!(plain[0], plain[1], "each epoch shuffles anew");
+        // Sharded (thread replicas on one CPU device deal one device's batches), and on rank 0.
+        for validation in [
+            crate::config::Validation::Sharded,
+            crate::config::Validation::Rank0,
+        ] {
+            let strategy = threads(2).with_config(DdpConfig::default().with_validation(validation));
+            assert_eq!(losses(Some(strategy)), plain, "{validation:?}");
+        }
+    }
 }
