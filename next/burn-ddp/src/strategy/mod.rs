@@ -638,4 +638,41 @@ mod tests {
             assert_eq!(losses(Some(strategy)), plain, "{validation:?}");
         }
     }
+
+    #[test]
+    fn a_run_resumed_from_a_step_checkpoint_continues_mid_epoch_as_the_uninterrupted_run() {
+        let (start, _) = start();
+        let run = |dir: &std::path::Path, config: DdpConfig| {
+            let config = config
+                .with_checkpoint_dir(dir.join("checkpoint"))
+                .with_run_id("step-run");
+            let [model, optim, scheduler] = config.checkpointers().unwrap();
+            trained(&start, dir, item_loader(24, 4), move |t| {
+                t.num_epochs(2)
+                    .with_custom_checkpointers(model, optim, scheduler)
+                    .with_training_strategy(threads(2).with_config(config).into())
+            })
+        };
+        let dir = tempfile::tempdir().unwrap();
+        // 3 steps an epoch; a step checkpoint every 4 optimizer steps: after batch 1 of epoch 2.
+        let (uninterrupted, error) = run(dir.path(), DdpConfig::default().with_checkpoint_every(4));
+        assert_eq!(error, None);
+        let checkpoint = dir.path().join("checkpoint");
+        let step = crate::checkpoint::StepState::list(&checkpoint);
+        assert_eq!(step.len(), 1, "{step:?}");
+        let state = step[0].as_ref().unwrap();
+        assert_eq!((state.epoch, state.batches, state.number), (2, 1, 4));
+        // As if the machine was lost after it: epoch 2's checkpoint is not there; nor epoch
+        // 1's, so only the step checkpoint can give the run back (resuming from the start would
+        // fail: with_resume asks for a checkpoint).
+        for epoch in [1, 2] {
+            for record in ["ddp-state", "model", "optim", "scheduler"] {
+                let ext = if record == "ddp-state" { "json" } else { "bpk" };
+                std::fs::remove_file(checkpoint.join(format!("{record}-{epoch}.{ext}"))).unwrap();
+            }
+        }
+        let (resumed, error) = run(dir.path(), DdpConfig::default().with_resume(true));
+        assert_eq!(error, None);
+        assert_eq!(resumed, uninterrupted, "resumed mid-epoch bit for bit");
+    }
 }
