@@ -675,4 +675,65 @@ mod tests {
         assert_eq!(error, None);
         assert_eq!(resumed, uninterrupted, "resumed mid-epoch bit for bit");
     }
+
+    /// Stops training after epoch `.0`.
+    #[derive(Clone)]
+    struct StopAfter(usize);
+
+    impl burn::train::EarlyStoppingStrategy for StopAfter {
+        fn should_stop(
+            &mut self,
+            epoch: usize,
+            _: &burn::train::metric::store::EventStoreClient,
+        ) -> bool {
+            epoch >= self.0
+        }
+    }
+
+    #[test]
+    fn early_stopping_ends_the_run_where_burn_trains_ends() {
+        let (start, _) = start();
+        let dir = tempfile::tempdir().unwrap();
+        let (plain, _) = trained(&start, dir.path(), item_loader(24, 8), |t| {
+            t.num_epochs(3).early_stopping(StopAfter(2))
+        });
+        let (two, _) = trained(&start, dir.path(), item_loader(24, 8), |t| t.num_epochs(2));
+        let (three, _) = trained(&start, dir.path(), item_loader(24, 8), |t| t.num_epochs(3));
+        assert_eq!(plain, two, "burn-train stopped after epoch 2");
+        assert_ne!(plain, three);
+        let (ddp, error) = trained(&start, dir.path(), item_loader(24, 4), |t| {
+            t.num_epochs(3)
+                .early_stopping(StopAfter(2))
+                .with_training_strategy(threads(2).into())
+        });
+        assert_eq!(error, None);
+        assert!(close(&ddp, &plain), "\n{ddp:?}\n{plain:?}");
+        assert!(!close(&ddp, &three));
+    }
+
+    #[test]
+    fn the_learning_rate_steps_once_per_optimizer_step_as_burn_trains() {
+        use burn::lr_scheduler::exponential::ExponentialLrSchedulerConfig;
+        let (start, _) = start();
+        // A learning rate halved at every scheduler step, windows of 2 micro-batches: stepped
+        // per micro-batch it would decay twice as fast.
+        let run = |train: Arc<dyn DataLoader<Batch>>, strategy: Option<DdpStrategy>| {
+            let dir = tempfile::tempdir().unwrap();
+            let scheduler = ExponentialLrSchedulerConfig::new(1e-2, 0.5).init().unwrap();
+            let learner = Learner::new(start.clone(), AdamConfig::new().init(), scheduler);
+            let mut training = SupervisedTraining::new(dir.path(), train, item_loader(8, 4))
+                .num_epochs(2)
+                .grads_accumulation(2)
+                .with_application_logger(None);
+            if let Some(strategy) = strategy {
+                training = training.with_training_strategy(strategy.into());
+            }
+            let result = training.launch(learner);
+            assert!(result.error.is_none(), "{:?}", result.error);
+            result.model.values()
+        };
+        let plain = run(item_loader(32, 8), None);
+        let ddp = run(item_loader(32, 4), Some(threads(2)));
+        assert!(close(&ddp, &plain), "\n{ddp:?}\n{plain:?}");
+    }
 }
