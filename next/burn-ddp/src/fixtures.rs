@@ -136,6 +136,16 @@ pub(crate) fn distributed_loader(
     let sampler = crate::DistributedSampler::new(items, world_size)
         .unwrap()
         .without_shuffle();
+    distributed_loader_of(sampler, batch_size, device)
+}
+
+/// burn-ddp's loader over `sampler`'s items, `batch_size` a rank, each item its own row.
+pub(crate) fn distributed_loader_of(
+    sampler: crate::DistributedSampler,
+    batch_size: usize,
+    device: &Device,
+) -> Arc<dyn DataLoader<Batch>> {
+    let items = sampler.dataset_len();
     Arc::new(
         crate::DistributedDataLoader::new(
             Arc::new(InMemDataset::new((0..items).collect())),

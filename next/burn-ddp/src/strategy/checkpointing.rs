@@ -61,7 +61,10 @@ impl<M: LearnerModel> Trainer<M> {
         let Role::Leader(leader) = &mut self.role else {
             return Ok(());
         };
-        leader.wait_for_events();
+        // burn-train 0.22 flushes its processor only for a checkpointer or early stopping.
+        if leader.checkpointer.is_some() || leader.early_stopping.is_some() {
+            leader.wait_for_events();
+        }
         if self.interrupter.should_stop() {
             return Ok(());
         }
@@ -75,6 +78,9 @@ impl<M: LearnerModel> Trainer<M> {
             &self.device,
             "the optimizer step before the epoch checkpoint",
         )?;
+        // burn-train's own checkpointers report a failed write by failing the interrupter (from
+        // their threads); a user's plain stop is no error.
+        let failed_before = self.interrupter.error().is_some();
         let written = match &leader.checkpoints {
             Some((checkpoints, _)) => crate::checkpoint::write_epoch_checkpoint(
                 checkpoints,
@@ -88,14 +94,9 @@ impl<M: LearnerModel> Trainer<M> {
                 Ok(EpochCheckpoint::NotSaved)
             }
         };
-        if self.interrupter.should_stop() {
+        if let (false, Some(error)) = (failed_before, self.interrupter.error()) {
             // burn-train's checkpointer failed the interrupter (a write or a delete).
-            let why = self
-                .interrupter
-                .error()
-                .map(|e| e.to_string())
-                .or_else(|| self.interrupter.get_message())
-                .unwrap_or_default();
+            let why = error.to_string();
             self.interrupter.reset();
             return Err(DdpError::Checkpoint {
                 path: self

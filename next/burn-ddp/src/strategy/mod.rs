@@ -74,19 +74,19 @@ enum OnError {
 /// # }
 /// ```
 ///
-/// The training set is split into `world_size` equal contiguous shards with
-/// `DataLoader::slice` (a remainder of fewer than `world_size` items is dropped, so every rank has
-/// the same number of batches). For PyTorch's `DistributedSampler` semantics (a new global shuffle
-/// every epoch, strided shards, the same samples per step as single-device training), give
-/// `SupervisedTraining` a [`DistributedDataLoader`](crate::DistributedDataLoader) built for the
-/// same world size. The loader's batch size is the **per-rank** batch.
+/// The ranks' batches: with a [`DistributedDataLoader`](crate::DistributedDataLoader) built for
+/// the same world size (PyTorch's `DistributedSampler` semantics: a new global shuffle every
+/// epoch, strided shards, the same samples per step as single-device training), each rank its
+/// shard, the loader's batch size being the **per-rank** batch; with another loader, thread
+/// replicas on one CPU device are dealt one device's batches (rank `r` takes batches `r, r + N,
+/// ...`), and otherwise (processes, several devices, GPU backends) the set is cut into
+/// `world_size` equal contiguous slices (a remainder of fewer than `world_size` items is dropped),
+/// with a warning.
 ///
-/// Semantics worth knowing:
-/// - the LR scheduler steps once per batch, before its forward pass, as burn-train's own loop
-///   steps it (with `grads_accumulation(k)`, once per micro-batch);
+/// Semantics worth knowing (burn-train 0.22's own loop):
+/// - the LR scheduler steps once per optimizer step, right before it;
 /// - with `grads_accumulation(k)` gradients are synchronised once per optimizer step, on the sum
-///   of the `k` micro-batches; micro-batches left over at the end of an epoch are dropped, as
-///   burn-train does;
+///   of the `k` micro-batches; an epoch's short last window is stepped too;
 /// - buffers (BatchNorm running statistics): replicas that are threads of one process share
 ///   Burn's `RunningState`, which averages the replicas' updates;
 /// - a failure (a rank's error, a timeout, a panic in the model) stops every rank;
@@ -161,7 +161,7 @@ impl DdpStrategy {
     ///   [`DdpConfig::with_checkpoint_dir`] is set, as if [`DdpConfig::with_resume`] were on.
     ///
     /// Pass every device of this machine you would train on (on CPU, the one device repeated
-    /// for the number of threads: `vec![Default::default(); 2]`); under a launcher the
+    /// for the number of threads: `vec![Device::flex().autodiff(); 2]`); under a launcher the
     /// process's [`crate::rank`], [`crate::world_size`] and [`crate::is_main_process`] answer
     /// from then on.
     ///
@@ -734,6 +734,38 @@ mod tests {
         };
         let plain = run(item_loader(32, 8), None);
         let ddp = run(item_loader(32, 4), Some(threads(2)));
+        assert!(close(&ddp, &plain), "\n{ddp:?}\n{plain:?}");
+    }
+
+    #[test]
+    fn accumulation_over_shards_that_end_a_batch_apart_steps_alike_on_every_rank() {
+        use crate::fixtures::distributed_loader_of;
+        let (start, _) = start();
+        let device = crate::replica::tests::test_device();
+        let dir = tempfile::tempdir().unwrap();
+        // 5 items on 2 ranks, 2 a rank: rank 0 takes items 0, 2, 4 (two batches), rank 1 items
+        // 1, 3 (one): the epoch's second step has rank 0's item 4 alone, as one device's batches
+        // of 4 are [0, 1, 2, 3] and [4]. One window of 2: the epoch's last batch closes it on both
+        // ranks, though rank 1's loader is done after its first.
+        let (plain, error) = trained(&start, dir.path(), item_loader(5, 4), |t| {
+            t.num_epochs(2).grads_accumulation(2)
+        });
+        assert_eq!(error, None);
+        let sampler = crate::DistributedSampler::new(5, 2)
+            .unwrap()
+            .without_shuffle()
+            .with_uneven_shards();
+        let (ddp, error) = trained(
+            &start,
+            dir.path(),
+            distributed_loader_of(sampler, 2, &device),
+            |t| {
+                t.num_epochs(2)
+                    .grads_accumulation(2)
+                    .with_training_strategy(threads(2).into())
+            },
+        );
+        assert_eq!(error, None);
         assert!(close(&ddp, &plain), "\n{ddp:?}\n{plain:?}");
     }
 }

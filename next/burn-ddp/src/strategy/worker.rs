@@ -105,8 +105,9 @@ where
     let _current =
         crate::sync_bn::enter_process_group(trainer.group.clone(), trainer.config.timeout());
     trainer.learner.fork(&trainer.device);
-    if trainer.resume.resumed() {
-        // The checkpoint was loaded once, on the main thread, for every replica of the process.
+    if trainer.resume.resumed() && trainer.buffers == Buffers::Shared {
+        // The checkpoint was loaded once, on the main thread, for every replica of the process
+        // (a single replica, as a process of its own, trains on that thread: nothing shared).
         super::owned::own_learner(
             &mut trainer.learner,
             &mut trainer.records,

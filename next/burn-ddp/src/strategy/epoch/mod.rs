@@ -305,9 +305,9 @@ where
         report.sync = run.watch.times();
         ended?;
         if !run.policy.at_step_boundary() {
-            // Micro-batches left over were dropped, but their forward passes moved each rank's
-            // BatchNorm statistics by its own samples (one device has one set): every rank is
-            // here with as many of them (also when an interrupt ends the epoch here).
+            // An epoch ended inside a window (an interrupt: its micro-batches go unstepped),
+            // whose forward passes moved each rank's BatchNorm statistics by its own samples (one
+            // device has one set): every rank is here with as many of them.
             self.sync_buffers(ddp)?;
         }
         Ok(Trained {
@@ -344,13 +344,18 @@ where
         }
         let grads = self.forward(input, &mut batch, run, report)?;
         let ready = if batch.out_of_data {
-            // Micro-batches left over are dropped, as burn-train does.
+            // A rank out of data joins the step that tells every rank so, without gradients.
             Some(None)
         } else if run.policy.accumulates() {
-            // burn-train 0.22 steps a window when it is full or at the epoch's last batch.
-            let complete = run
-                .policy
-                .micro_batch_done(iterator.progress().is_completed());
+            // burn-train 0.22 steps a window when it is full or at the epoch's last batch. Every
+            // rank must decide alike: where the sampler says how many steps the epoch has (its
+            // shards may end a batch apart), from that; else from this rank's loader, whose
+            // batches end together on every rank (one device's dealt, or equal slices).
+            let last_of_epoch = match batch.drawn {
+                Some(drawn) => state.step as u64 + 1 >= drawn.steps,
+                None => iterator.progress().is_completed(),
+            };
+            let complete = run.policy.micro_batch_done(last_of_epoch);
             if let Some(mut grads) = grads {
                 // Each micro-batch weighed by this rank's share of its samples before the sum.
                 let model = self.learner.model();
