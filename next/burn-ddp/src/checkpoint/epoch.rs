@@ -111,10 +111,10 @@ fn forget_own_state(checkpoints: &Checkpoints, epoch: usize) -> Result<()> {
         Ok(Some(state)) if state.run_id == checkpoints.run_id()
     );
     if ours {
-        std::fs::remove_file(&path).map_err(|e| crate::DdpError::Checkpoint {
-            path: path.display().to_string(),
-            detail: format!("cannot delete an earlier attempt's state of epoch {epoch}: {e}"),
-        })?;
+        super::file::remove_checkpoint_file(
+            &path,
+            &format!("an earlier attempt's state of epoch {epoch}"),
+        )?;
     }
     Ok(())
 }

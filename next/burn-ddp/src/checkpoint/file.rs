@@ -77,6 +77,25 @@ pub(crate) fn write_json<T: Serialize>(value: &T, target: &Path) -> Result<()> {
     write_atomically(target, &json).map_err(|e| fail(format!("cannot write it: {e}")))
 }
 
+/// Removes `path`; a file that is not there is fine.
+///
+/// # Errors
+/// The file exists but cannot be removed.
+pub(crate) fn remove_if_present(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// [`remove_if_present`], its error a [`DdpError::Checkpoint`] naming `path` and `what` it is.
+pub(crate) fn remove_checkpoint_file(path: &Path, what: &str) -> Result<()> {
+    remove_if_present(path).map_err(|e| DdpError::Checkpoint {
+        path: path.display().to_string(),
+        detail: format!("cannot delete {what}: {e}"),
+    })
+}
+
 /// SHA-256 of `bytes`, as 64 lowercase hexadecimal digits.
 pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;

@@ -304,15 +304,7 @@ impl Checkpoints {
         let index = usize::try_from(number).unwrap_or(usize::MAX);
         let records = self.step_checkpointers().map(|c| c.path(index));
         for path in std::iter::once(self.step_state_path(number)).chain(records) {
-            match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(DdpError::Checkpoint {
-                        path: path.display().to_string(),
-                        detail: format!("cannot delete the older step checkpoint: {e}"),
-                    });
-                }
-                _ => {}
-            }
+            file::remove_checkpoint_file(&path, "the older step checkpoint")?;
         }
         Ok(())
     }
@@ -326,16 +318,10 @@ impl Checkpoints {
     pub fn forget_deleted_epochs(&self, since: Mark) -> Result<()> {
         let [model, _, _] = self.epoch_keys();
         for epoch in self.ledger.deleted_since(&model, since) {
-            let path = self.epoch_state_path(epoch);
-            match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(DdpError::Checkpoint {
-                        path: path.display().to_string(),
-                        detail: format!("cannot delete the state of a deleted checkpoint: {e}"),
-                    });
-                }
-                _ => {}
-            }
+            file::remove_checkpoint_file(
+                &self.epoch_state_path(epoch),
+                "the state of a deleted checkpoint",
+            )?;
         }
         Ok(())
     }

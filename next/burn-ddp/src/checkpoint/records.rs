@@ -12,7 +12,7 @@ use burn::tensor::Bytes;
 use burn::train::checkpoint::{Checkpoint, Checkpointer, CheckpointerError};
 use serde::{Deserialize, Serialize};
 
-use super::file::{sha256_hex, write_atomically};
+use super::file::{remove_if_present, sha256_hex, write_atomically};
 
 /// A record file of a checkpoint and its content's SHA-256.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -328,18 +328,12 @@ impl<R: Checkpoint> Checkpointer<R> for RecordCheckpointer {
                 self.path(number).display()
             )));
         }
-        match std::fs::remove_file(self.path(number)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                Err(CheckpointerError::IOError(e))
-            }
-            _ => {
-                self.ledger.note(Entry::Deleted {
-                    record: self.key(),
-                    number,
-                });
-                Ok(())
-            }
-        }
+        remove_if_present(&self.path(number)).map_err(CheckpointerError::IOError)?;
+        self.ledger.note(Entry::Deleted {
+            record: self.key(),
+            number,
+        });
+        Ok(())
     }
 
     /// Reads [`path`](Self::path)`(number)`.
