@@ -42,6 +42,7 @@ mod ddp;
 mod error;
 #[cfg(test)]
 mod fixtures;
+pub mod group;
 #[allow(dead_code)]
 pub mod hooks;
 #[allow(dead_code)]
