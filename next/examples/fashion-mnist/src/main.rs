@@ -77,7 +77,8 @@ struct Args {
     /// Resume from the newest complete checkpoint in ARTIFACTS/checkpoint, whichever run wrote
     /// it (a restart by `burn-ddp run --max-restarts` resumes its own run's by itself): an epoch
     /// checkpoint, or a step checkpoint written when the job was stopped by SIGTERM/SIGINT; a
-    /// truncated one is passed over.
+    /// truncated one is passed over. With plain Burn (`--workers 1`): the newest epoch
+    /// checkpoint, through burn-train's `checkpoint(epoch)`.
     #[arg(long)]
     resume: bool,
     /// Also write a step checkpoint every N optimizer steps (0: only at the end of epochs and on
@@ -248,6 +249,21 @@ fn train(args: &Args, devices: Vec<Device>) -> Result<(), Failure> {
     // Burn creates parameters lazily; create them now, from the seed, on this thread.
     let _ = burn_ddp::mechanism::value_fingerprint(&model);
 
+    // Plain Burn resumes through burn-train's `checkpoint(epoch)`: the newest complete epoch,
+    // whose sampler epoch the loader continues from (under DdpStrategy burn-ddp finds the
+    // checkpoint and the loader follows burn-train's epoch by itself).
+    let checkpoints = args.artifacts.join("checkpoint");
+    let plain_resume = match (plain && args.resume, newest_epoch_checkpoint(&checkpoints)) {
+        (false, _) => None,
+        (true, Some(epoch)) => Some(epoch),
+        (true, None) => {
+            return Err(Failure::Other(format!(
+                "--resume: no complete epoch checkpoint (model-, optim- and \
+                 scheduler-<epoch>.bpk) in {}",
+                checkpoints.display()
+            )));
+        }
+    };
     let train_len = train_items.len();
     let sampler = DistributedSampler::new(train_len, world_size)
         .map_err(|e| e.to_string())?
@@ -260,8 +276,8 @@ fn train(args: &Args, devices: Vec<Device>) -> Result<(), Failure> {
             args.batch_size / world_size,
             device.clone(),
         )
-        // No `with_epoch` on resume: under DdpStrategy the loader follows burn-train's epoch.
         .map_err(|e| e.to_string())?
+        .with_epoch(plain_resume.unwrap_or(0) as u64)
         .with_num_workers(args.loader_workers),
     );
     // Validation in one fixed order (a sampler of world size 1, unshuffled), which every process
@@ -295,10 +311,17 @@ fn train(args: &Args, devices: Vec<Device>) -> Result<(), Failure> {
         .with_application_logger(None);
     // Under a launcher a restart resumes, so checkpoints are always written there.
     let checkpointing = args.checkpoint || args.resume || multi_process;
-    let checkpoints = args.artifacts.join("checkpoint");
     let Some(strategy) = strategy else {
         let training = if checkpointing {
-            training.with_default_checkpointers()
+            // burn-ddp's checkpointers write burn-train's files atomically (burn-train's own
+            // write them in place); burn-train resumes its newest complete epoch by number.
+            let config = DdpConfig::default().with_checkpoint_dir(&checkpoints);
+            let [model, optim, scheduler] = config.checkpointers().map_err(|e| e.to_string())?;
+            let training = training.with_custom_checkpointers(model, optim, scheduler);
+            match plain_resume {
+                Some(epoch) => training.checkpoint(epoch),
+                None => training,
+            }
         } else {
             training
         };
@@ -334,8 +357,32 @@ fn train(args: &Args, devices: Vec<Device>) -> Result<(), Failure> {
     };
     // burn-ddp prints its report (samples/s, time per rank) at the end of training.
     match training.launch_ddp(learner, strategy.with_config(config)) {
-        Ok(_) => Ok(()),
+        // burn-train 0.22 reports what stopped the run (a metric or logger failure) here.
+        Ok(result) => match result.error {
+            None => Ok(()),
+            Some(e) => Err(Failure::Other(format!("training failed: {e}"))),
+        },
         Err(e @ DdpError::Preempted { .. }) => Err(Failure::Stopped(e.to_string())),
         Err(e) => Err(Failure::Other(format!("training failed: {e}"))),
     }
+}
+
+/// The newest epoch with all three of burn-train's records in `dir` (`model-`, `optim-` and
+/// `scheduler-<epoch>.bpk`), for plain Burn's `SupervisedTraining::checkpoint`.
+fn newest_epoch_checkpoint(dir: &std::path::Path) -> Option<usize> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    entries
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().into_string().ok()?;
+            name.strip_prefix("model-")?
+                .strip_suffix(".bpk")?
+                .parse::<usize>()
+                .ok()
+        })
+        .filter(|epoch| {
+            ["optim", "scheduler"]
+                .iter()
+                .all(|record| dir.join(format!("{record}-{epoch}.bpk")).is_file())
+        })
+        .max()
 }

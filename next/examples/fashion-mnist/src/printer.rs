@@ -28,8 +28,9 @@ impl Mean {
                 aggregated_value,
                 count,
             } => (*aggregated_value, *count as f64),
+            // The mean of nothing (an epoch stopped before its first batch) is NaN: "n/a".
             NumericEntry::Final(v) => {
-                self.last = Some(*v);
+                self.last = v.is_finite().then_some(*v);
                 return;
             }
         };
