@@ -8,6 +8,8 @@ mod equivalence;
 mod failures;
 mod hooks;
 mod in_step;
+mod metrics;
 mod replicas;
+mod sampling;
 mod semantics;
 mod short_batches;
