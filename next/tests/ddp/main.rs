@@ -4,6 +4,8 @@
 //! Multi-rank runs are threads of this process (thread replicas, or TCP groups over loopback);
 //! every wait is bounded by a timeout.
 
+mod changes;
+mod custom_loop;
 mod equivalence;
 mod failures;
 mod hooks;
