@@ -11,6 +11,7 @@ mod failures;
 mod hooks;
 mod in_step;
 mod metrics;
+mod oracle;
 mod replicas;
 mod sampling;
 mod semantics;

@@ -208,6 +208,42 @@ fn training_with_a_burn_loader_reports_one_devices_items_and_progress() {
     }
 }
 
+#[test]
+fn a_short_last_step_reports_one_devices_progress_in_threads_and_processes() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // A DistributedDataLoader of 37 items, 8 a step: the last step has 5, split 3 + 2 (2 ranks)
+    // or 2 + 1 + 1 + 1 (4 ranks). burn-train must see one device's items processed after each
+    // step, 37 of 37 at the end (the ranks' shards times the world size would say 38 or 40).
+    let model = materialized(counting());
+    let run = Run::new(None, 8, 37);
+    let (single, _) = seen(&model, 0, false, run.clone(), 0.05);
+    let expected = progress(&single);
+    assert_eq!(
+        expected,
+        vec![(8, 37), (16, 37), (24, 37), (32, 37), (37, 37)],
+        "one device"
+    );
+    for (ranks, tcp, join) in [
+        (2, false, false),
+        (4, false, false),
+        (2, true, false),
+        (2, false, true),
+        (2, true, true),
+    ] {
+        let mut run = run.clone();
+        if join {
+            run.config = burn_ddp::DdpConfig::default()
+                .with_uneven_inputs(burn_ddp::config::UnevenInputs::Join);
+        }
+        let (train, _) = seen(&model, ranks, tcp, run, 0.05);
+        assert_eq!(
+            progress(&train),
+            expected,
+            "{ranks} ranks (tcp: {tcp}, join: {join}): the items processed after each step"
+        );
+    }
+}
+
 fn close(a: f64, b: f64, tolerance: f64) -> bool {
     (a - b).abs() <= tolerance * b.abs().max(1e-12)
 }

@@ -92,6 +92,20 @@ impl Drawn {
         }
     }
 
+    /// One device's progress through the epoch after the last step drawn: the samples of the
+    /// steps drawn so far over all ranks, and of the whole epoch (what burn-train shows of one
+    /// device's loader: a rank's share times the world size over-counts a short last step).
+    pub fn global_progress(&self) -> (u64, u64) {
+        let whole = self.steps.saturating_sub(1) * self.full_step_samples
+            + self.last_step_samples * u64::from(self.steps > 0);
+        let done = if self.batches >= self.steps {
+            whole
+        } else {
+            self.batches * self.full_step_samples
+        };
+        (done, whole)
+    }
+
     /// Whether the last step drawn holds fewer samples than a full one (the same on every rank).
     pub fn short_step(&self) -> bool {
         self.global_samples < self.full_step_samples

@@ -183,6 +183,12 @@ impl<M: LearnerModel> Trainer<M> {
         let Some((checkpoints, writer)) = &mut leader.checkpoints else {
             return Ok(None);
         };
+        // Burn's `RunningState` (BatchNorm's and SyncBatchNorm's statistics) keeps a forward
+        // pass's update per thread until it is next read, and a record reads the value as it
+        // was: `valid` folds the updates in first, or a step checkpoint would hold the
+        // statistics of the step before (buffers synchronised between the ranks are folded
+        // already; one replica's are not).
+        drop(self.learner.model().valid());
         // burn-train's checkpointer reads the records on its own threads: the step must have
         // run. Rank 0 alone writes step checkpoints.
         crate::replica::sync_device(

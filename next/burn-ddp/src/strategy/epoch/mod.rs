@@ -385,19 +385,34 @@ where
         }
         // Every rank reports every step (join mode: `None` without a batch), so rank 0 can
         // report one item per step covering the global batch.
-        // burn-train's progress: one device's (a dealt loader reports it), or this rank's share
-        // times the ranks.
-        let ranks = match self.cut {
-            Cut::Dealt => 1,
-            _ => self.group.world_size(),
-        };
+        // burn-train's progress: one device's (a dealt loader reports it; a DistributedDataLoader
+        // says what the steps drawn hold over all ranks), or this rank's share times the ranks
+        // (equal slices of another loader).
         let local = iterator.progress();
+        // In join mode the step is not drawn (the ranks agree on it instead), but what the
+        // sampler drew still says the epoch's progress over all ranks.
+        let drawn = batch.drawn.or_else(|| {
+            (self.cut == Cut::Sampler)
+                .then(crate::sampler::drawn_on_this_thread)
+                .flatten()
+        });
+        let progress = match (self.cut, drawn) {
+            (Cut::Dealt, _) => local,
+            (_, Some(drawn)) => {
+                let (done, whole) = drawn.global_progress();
+                Progress::new(done as usize, whole as usize, local.unit.clone())
+            }
+            _ => {
+                let ranks = self.group.world_size();
+                Progress::new(
+                    local.items_processed * ranks,
+                    local.items_total * ranks,
+                    local.unit.clone(),
+                )
+            }
+        };
         let meta = Meta {
-            progress: Progress::new(
-                local.items_processed * ranks,
-                local.items_total * ranks,
-                local.unit.clone(),
-            ),
+            progress,
             lr: Some(self.learner.lr_current()),
             times: StepTimes {
                 wall: started.elapsed(),
