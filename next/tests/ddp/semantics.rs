@@ -562,3 +562,35 @@ fn a_truncated_newest_checkpoint_is_passed_over_and_the_run_resumes_from_the_one
     assert_eq!(epochs, vec![2, 3], "resumed after epoch 1");
     assert_eq!(resumed, straight, "bit for bit");
 }
+
+#[test]
+fn a_model_whose_optimize_moves_a_teacher_is_refused_under_optimizer_sharding_naming_it() {
+    use burn_ddp_tests::WithTeacher;
+    // Under optimizer sharding burn-train 0.22's Learner runs the model's `optimize` on this
+    // rank's share before the other ranks' parameters arrive: a teacher moved towards the
+    // student there would differ between the ranks, silently (the consistency check is off by
+    // default). It is refused at the first step, on every rank, naming the tensor.
+    let model = materialized(WithTeacher::new(&device()));
+    let mut run = Run::new(Some(2), 16, 4 * 16);
+    run.config = DdpConfig::default().with_optimizer_sharding(true);
+    match run_training(model.clone(), SgdConfig::new().init(), 0.1, &run) {
+        Err(DdpError::InvalidConfig(message)) => {
+            assert!(message.contains("teacher.fc1.weight"), "{message}");
+            assert!(message.contains("optimize"), "{message}");
+            assert!(message.contains("with_optimizer_sharding"), "{message}");
+        }
+        other => panic!("expected the refusal, got {:?}", other.map(|_| ())),
+    }
+    // Without sharding it trains as plain Burn on one device.
+    run.config = DdpConfig::default();
+    let (two, _) = run_training(model.clone(), SgdConfig::new().init(), 0.1, &run).unwrap();
+    let (one, _) = run_training(
+        model,
+        SgdConfig::new().init(),
+        0.1,
+        &Run::new(None, 16, 4 * 16),
+    )
+    .unwrap();
+    let diff = max_relative_difference(&two, &one);
+    assert!(diff <= 1e-5, "2 replicas differ from one device by {diff}");
+}

@@ -563,7 +563,6 @@ impl ModuleVisitor for SpecCollector {
 mod ties;
 mod values;
 
-#[cfg(test)]
 pub(crate) use values::tensor_fingerprints;
 // Until the reducer, the strategy and the custom loop that use them are ported.
 #[allow(unused_imports)]

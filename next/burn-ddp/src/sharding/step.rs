@@ -51,7 +51,7 @@ pub(crate) fn sharded_step<M: Module>(
 }
 
 /// Whether each float tensor of `module` (registration order) has a gradient in `grads`.
-fn with_gradients<M: Module>(module: &M, grads: &GradientsParams) -> Vec<bool> {
+pub(crate) fn with_gradients<M: Module>(module: &M, grads: &GradientsParams) -> Vec<bool> {
     struct Present<'a> {
         grads: &'a GradientsParams,
         places: Vec<bool>,

@@ -151,6 +151,9 @@ impl<M: LearnerModel> RecordReader<M> {
 /// A rank's sharded optimizer in a `Learner`.
 pub(super) struct Sharded {
     shards: OptimizerShards,
+    /// The model's `optimize` is still to be watched (the first step): under sharding it must
+    /// change no tensor but this rank's stepped ones.
+    watch_optimize: std::sync::atomic::AtomicBool,
 }
 
 impl Sharded {
@@ -171,7 +174,10 @@ impl Sharded {
             let keys = Keys::of(&learner.model());
             learner.load_optim(own_record(&shards, &keys, record)?);
         }
-        Ok(Self { shards })
+        Ok(Self {
+            shards,
+            watch_optimize: std::sync::atomic::AtomicBool::new(true),
+        })
     }
 
     /// Who owns what.
@@ -185,9 +191,16 @@ impl Sharded {
     /// whole, bit-identical model (through `Learner::load_model`). Every rank must call it once
     /// per synchronisation.
     ///
+    /// At the first step the tensors the model's `optimize` may change are watched: this rank's
+    /// stepped parameters only. `optimize` runs here before the other ranks' parameters arrive
+    /// (Burn 0.22's optimizer is one concrete type, which burn-ddp cannot step inside), so a
+    /// value it computes from the updated model (an EMA teacher) would differ between the ranks.
+    ///
     /// # Errors
     /// The all-gathers' (the process group is then aborted, the learner's model is this rank's
-    /// step alone).
+    /// step alone); [`DdpError::InvalidConfig`] naming the tensor when the model's `optimize`
+    /// changed one this rank does not step (every rank runs the same `optimize`, so every rank
+    /// refuses at the same step).
     pub fn step<M: LearnerModel>(
         &self,
         learner: &mut Learner<M>,
@@ -195,6 +208,9 @@ impl Sharded {
         group: &dyn ProcessGroup,
         timeout: Duration,
     ) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        let watch = self.watch_optimize.swap(false, Ordering::Relaxed);
+        let mut changed = None;
         let whole = crate::sharding::sharded_step(
             &self.shards,
             learner.model(),
@@ -202,12 +218,45 @@ impl Sharded {
             group,
             timeout,
             |_, own| {
+                let before = watch.then(|| {
+                    let model = learner.model();
+                    (
+                        crate::sharding::with_gradients(&model, &own),
+                        crate::replica::tensor_fingerprints(&model),
+                    )
+                });
                 learner.optimizer_step(own);
-                learner.model()
+                let model = learner.model();
+                if let Some((stepped, before)) = before {
+                    let layout = crate::replica::ReplicaLayout::of(&model);
+                    let after = crate::replica::tensor_fingerprints(&model);
+                    changed = layout
+                        .tensors()
+                        .iter()
+                        .find(|t| {
+                            t.kind != crate::replica::TensorKind::Buffer
+                                && !stepped.get(t.index).copied().unwrap_or(true)
+                                && before.get(t.index) != after.get(t.index)
+                        })
+                        .map(|t| t.path.clone());
+                }
+                model
             },
         )?;
         learner.load_model(whole.into_record());
-        Ok(())
+        match changed {
+            None => Ok(()),
+            Some(path) => Err(DdpError::InvalidConfig(format!(
+                "rank {}: the model's `optimize` changed `{path}`, a tensor this rank does not \
+                 step, at the first optimizer step: under DdpConfig::with_optimizer_sharding \
+                 burn-train 0.22's Learner runs `optimize` on this rank's share of the \
+                 gradients, before the other ranks' updated parameters arrive, so what it \
+                 computes from the updated model (an EMA teacher, say) would differ between the \
+                 ranks; turn sharding off for this model, or step it in a training loop of your \
+                 own (DistributedDataParallel::optimizer_step returns the whole model)",
+                group.rank()
+            ))),
+        }
     }
 
     /// Before rank 0 writes a checkpoint: every rank's optimizer state joined into rank 0's

@@ -518,7 +518,7 @@ pub(super) fn core() -> Vec<Case> {
             ..b
         },
         // (Not sharded: under optimizer sharding Burn 0.22's Learner runs `optimize` before the
-        // other ranks' parameters arrive, docs/limits.md.)
+        // other ranks' parameters arrive, and the teacher is refused, docs/limits.md.)
         Case {
             model: Model::Teacher,
             world: 4,
@@ -863,8 +863,9 @@ pub(super) fn random(rng: &mut Rng) -> Case {
     }
     if model == Model::Teacher {
         // Under optimizer sharding Burn 0.22's Learner runs `optimize` before the other ranks'
-        // parameters arrive: a teacher moved towards the student there sees a partly updated
-        // student (docs/limits.md). Not drawn sharded, nor resumed with the sharding flipped.
+        // parameters arrive: a teacher moved towards the student there is refused (it would see
+        // a partly updated student, docs/limits.md). Not drawn sharded, nor resumed with the
+        // sharding flipped.
         case.shard = false;
         if matches!(case.resume, Resume::AfterEpoch { .. }) {
             case.resume = Resume::No;
