@@ -524,7 +524,7 @@ impl DistributedDataParallel {
             grads,
             self.reducer.group().as_ref(),
             self.config.timeout(),
-            |module, grads| optim.step(lr, module, grads),
+            |module, grads, _| optim.step(lr, module, grads),
         )
     }
 

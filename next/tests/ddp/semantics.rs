@@ -594,3 +594,67 @@ fn a_model_whose_optimize_moves_a_teacher_is_refused_under_optimizer_sharding_na
     let diff = max_relative_difference(&two, &one);
     assert!(diff <= 1e-5, "2 replicas differ from one device by {diff}");
 }
+
+/// The MLP whose `optimize` shrinks every parameter by 1% after the step (weight decay written
+/// by hand): under sharding it changes the tensors the other ranks own too, which their owners'
+/// values then replace.
+#[derive(Module, Debug)]
+pub struct DecaysInOptimize {
+    inner: Mlp,
+}
+
+impl TrainStep for DecaysInOptimize {
+    type Input = Batch;
+    type Output = burn::train::ClassificationOutput;
+
+    fn step(&self, batch: Batch) -> TrainOutput<Self::Output> {
+        TrainStep::step(&self.inner, batch)
+    }
+
+    fn optimize(
+        self,
+        optim: &mut burn::optim::ModuleOptimizer,
+        lr: burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate,
+        grads: burn::optim::GradientsParams,
+    ) -> Self {
+        let model = optim.step(lr, self, grads);
+        let shrunk: Vec<Vec<f32>> = float_tensors(&model)
+            .into_iter()
+            .map(|t| t.into_iter().map(|v| v * 0.99).collect())
+            .collect();
+        with_values(model, &shrunk)
+    }
+}
+
+impl InferenceStep for DecaysInOptimize {
+    type Input = Batch;
+    type Output = burn::train::ClassificationOutput;
+
+    fn step(&self, batch: Batch) -> Self::Output {
+        InferenceStep::step(&self.inner, batch)
+    }
+}
+
+#[test]
+fn a_model_whose_optimize_changes_every_parameter_trains_sharded_as_on_one_device() {
+    // Not refused: every tensor it changes is stepped by some rank, whose value every rank
+    // then takes.
+    let model = materialized(DecaysInOptimize {
+        inner: Mlp::new(&device()),
+    });
+    let (one, _) = run_training(
+        model.clone(),
+        SgdConfig::new().init(),
+        0.1,
+        &Run::new(None, 16, 4 * 16),
+    )
+    .unwrap();
+    let mut run = Run::new(Some(2), 16, 4 * 16);
+    run.config = DdpConfig::default().with_optimizer_sharding(true);
+    let (two, _) = run_training(model, SgdConfig::new().init(), 0.1, &run).unwrap();
+    let diff = max_relative_difference(&two, &one);
+    assert!(
+        diff <= 1e-5,
+        "2 sharded replicas differ from one device by {diff}"
+    );
+}

@@ -17,7 +17,7 @@ mod share;
 pub(crate) mod state;
 mod step;
 
-pub(crate) use step::{sharded_step, with_gradients};
+pub(crate) use step::sharded_step;
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -40,18 +40,18 @@ pub(crate) fn sharded_step<M: Module>(
     mut grads: GradientsParams,
     group: &dyn ProcessGroup,
     timeout: Duration,
-    step: impl FnOnce(M, GradientsParams) -> M,
+    step: impl FnOnce(M, GradientsParams, &[bool]) -> M,
 ) -> Result<M> {
     let with = with_gradients(&module, &grads);
     let stepped = shards.agree_stepped(&with, group, timeout)?;
     shards.keep_own(&module, &mut grads);
-    let module = step(module, grads);
+    let module = step(module, grads, &stepped);
     let (module, gathered) = shards.exchange_stepped(module, &stepped, group, timeout);
     gathered.map(|()| module)
 }
 
 /// Whether each float tensor of `module` (registration order) has a gradient in `grads`.
-pub(crate) fn with_gradients<M: Module>(module: &M, grads: &GradientsParams) -> Vec<bool> {
+fn with_gradients<M: Module>(module: &M, grads: &GradientsParams) -> Vec<bool> {
     struct Present<'a> {
         grads: &'a GradientsParams,
         places: Vec<bool>,

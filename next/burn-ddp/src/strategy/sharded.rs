@@ -191,16 +191,16 @@ impl Sharded {
     /// whole, bit-identical model (through `Learner::load_model`). Every rank must call it once
     /// per synchronisation.
     ///
-    /// At the first step the tensors the model's `optimize` may change are watched: this rank's
-    /// stepped parameters only. `optimize` runs here before the other ranks' parameters arrive
+    /// At the first step the tensors the model's `optimize` may change are watched: those some
+    /// rank steps (the others' are overwritten by their owners' values) and the buffers. `optimize` runs here before the other ranks' parameters arrive
     /// (Burn 0.22's optimizer is one concrete type, which burn-ddp cannot step inside), so a
     /// value it computes from the updated model (an EMA teacher) would differ between the ranks.
     ///
     /// # Errors
     /// The all-gathers' (the process group is then aborted, the learner's model is this rank's
     /// step alone); [`DdpError::InvalidConfig`] naming the tensor when the model's `optimize`
-    /// changed one this rank does not step (every rank runs the same `optimize`, so every rank
-    /// refuses at the same step).
+    /// changed one no rank steps (every rank runs the same `optimize` on the same tensors, so
+    /// every rank refuses at the same step).
     pub fn step<M: LearnerModel>(
         &self,
         learner: &mut Learner<M>,
@@ -217,28 +217,28 @@ impl Sharded {
             grads,
             group,
             timeout,
-            |_, own| {
-                let before = watch.then(|| {
-                    let model = learner.model();
-                    (
-                        crate::sharding::with_gradients(&model, &own),
-                        crate::replica::tensor_fingerprints(&model),
-                    )
-                });
+            |_, own, stepped| {
+                let before = watch.then(|| crate::replica::tensor_fingerprints(&learner.model()));
                 learner.optimizer_step(own);
                 let model = learner.model();
-                if let Some((stepped, before)) = before {
-                    let layout = crate::replica::ReplicaLayout::of(&model);
+                if let Some(before) = before {
+                    // A tensor no rank steps (a frozen weight) changed: the gather below leaves
+                    // each rank's own value. (One another rank steps is overwritten by its
+                    // owner's; a buffer is the forward pass's.) Every rank agreed on `stepped`.
+                    let owners = self.shards.owners();
                     let after = crate::replica::tensor_fingerprints(&model);
-                    changed = layout
-                        .tensors()
-                        .iter()
-                        .find(|t| {
-                            t.kind != crate::replica::TensorKind::Buffer
-                                && !stepped.get(t.index).copied().unwrap_or(true)
-                                && before.get(t.index) != after.get(t.index)
+                    changed = (0..after.len())
+                        .find(|&i| {
+                            owners.get(i).is_some_and(Option::is_some)
+                                && !stepped.get(i).copied().unwrap_or(true)
+                                && before.get(i) != after.get(i)
                         })
-                        .map(|t| t.path.clone());
+                        .map(|i| {
+                            crate::replica::ReplicaLayout::scan(&model)
+                                .tensors()
+                                .get(i)
+                                .map_or_else(|| format!("tensor #{i}"), |t| t.path.clone())
+                        });
                 }
                 model
             },
@@ -247,8 +247,8 @@ impl Sharded {
         match changed {
             None => Ok(()),
             Some(path) => Err(DdpError::InvalidConfig(format!(
-                "rank {}: the model's `optimize` changed `{path}`, a tensor this rank does not \
-                 step, at the first optimizer step: under DdpConfig::with_optimizer_sharding \
+                "rank {}: the model's `optimize` changed `{path}`, a tensor no rank steps, at \
+                 the first optimizer step: under DdpConfig::with_optimizer_sharding \
                  burn-train 0.22's Learner runs `optimize` on this rank's share of the \
                  gradients, before the other ranks' updated parameters arrive, so what it \
                  computes from the updated model (an EMA teacher, say) would differ between the \
