@@ -430,7 +430,7 @@ pub fn deterministic_mlp() -> Mlp {
 /// Where a [`StopsAtBatch`] model stops: the training's interrupter (set by the run,
 /// [`Run::interrupter`](crate::run::Run::interrupter)), the batch, and each thread's count of
 /// training batches so far (shared by the model's clones, one count per rank thread).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct StopOrder {
     /// burn-train's interrupter of the run, once it is built.
     pub slot: std::sync::Arc<std::sync::Mutex<Option<Interrupter>>>,
@@ -438,6 +438,33 @@ pub struct StopOrder {
     pub at: usize,
     counts:
         std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::thread::ThreadId, usize>>>,
+}
+
+impl StopOrder {
+    /// A stop during batch `at` (`usize::MAX`: never) through the interrupter `slot` receives.
+    pub fn new(slot: std::sync::Arc<std::sync::Mutex<Option<Interrupter>>>, at: usize) -> Self {
+        Self {
+            slot,
+            at,
+            counts: Default::default(),
+        }
+    }
+
+    /// Counts a training batch of the calling thread and, at the `at`-th, asks burn-train to
+    /// stop with `reason`.
+    pub fn before_train_step(&self, reason: &str) {
+        let count = {
+            let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+            let count = counts.entry(std::thread::current().id()).or_default();
+            *count += 1;
+            *count
+        };
+        if count == self.at
+            && let Some(interrupter) = self.slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
+        {
+            interrupter.stop(Some(reason));
+        }
+    }
 }
 
 impl core::fmt::Debug for StopOrder {
@@ -461,10 +488,7 @@ impl StopsAtBatch {
     pub fn new(inner: Mlp, at: usize) -> Self {
         Self {
             inner,
-            order: StopOrder {
-                at,
-                ..StopOrder::default()
-            },
+            order: StopOrder::new(Default::default(), at),
         }
     }
 
@@ -479,22 +503,7 @@ impl TrainStep for StopsAtBatch {
     type Output = ClassificationOutput;
 
     fn step(&self, batch: Batch) -> TrainOutput<ClassificationOutput> {
-        let count = {
-            let mut counts = self.order.counts.lock().unwrap_or_else(|e| e.into_inner());
-            let count = counts.entry(std::thread::current().id()).or_default();
-            *count += 1;
-            *count
-        };
-        if count == self.order.at
-            && let Some(interrupter) = self
-                .order
-                .slot
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .as_ref()
-        {
-            interrupter.stop(Some("the test stops here"));
-        }
+        self.order.before_train_step("the test stops here");
         TrainStep::step(&self.inner, batch)
     }
 }

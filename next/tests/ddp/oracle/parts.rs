@@ -3,9 +3,7 @@
 //! the case's optimizer (Burn's own `ModuleOptimizer`) and one scheduler type for every case,
 //! delegating to Burn's own.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::thread::ThreadId;
 
 use burn::module::{Module, ModuleDisplay};
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -22,7 +20,7 @@ use burn::optim::{
 };
 use burn::tensor::{Device, Tensor, TensorData};
 use burn::train::{ClassificationOutput, InferenceStep, Interrupter, TrainOutput, TrainStep};
-use burn_ddp_tests::{Batch, CLASSES, FEATURES, Mlp, clip_global_norm};
+use burn_ddp_tests::{Batch, CLASSES, FEATURES, Mlp, StopOrder, clip_global_norm};
 
 use super::cases::{Case, Opt, Scheduler};
 
@@ -166,25 +164,12 @@ pub(super) type Slot = Arc<Mutex<Option<Interrupter>>>;
 /// What a [`Harnessed`] model does besides its inner model's steps: stop the training during a
 /// micro-batch (each thread counts its own, so every rank stops at the same step, as one device
 /// does at that batch) and clip the gradients by their global norm in `optimize`.
-#[derive(Clone, Default)]
+#[derive(Clone, Debug)]
 pub(super) struct Harness {
-    /// The training's interrupter and the 1-based micro-batch during which to stop.
-    stop: Option<(Slot, usize)>,
-    /// Training micro-batches per thread so far.
-    counts: Arc<Mutex<HashMap<ThreadId, usize>>>,
+    /// The stop: the training's interrupter and the micro-batch, counted by each thread.
+    stop: Option<StopOrder>,
     /// Clip the gradients to this global 2-norm before the step (PyTorch's `clip_grad_norm_`).
     clip: Option<f32>,
-}
-
-impl core::fmt::Debug for Harness {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(
-            f,
-            "Harness(stop at {:?}, clip {:?})",
-            self.stop.as_ref().map(|(_, at)| at),
-            self.clip
-        )
-    }
 }
 
 /// `inner` as the harness trains it: stopped during a chosen micro-batch, its gradients clipped
@@ -204,9 +189,8 @@ impl<M> Harnessed<M> {
         Self {
             inner,
             harness: Harness {
-                stop,
+                stop: stop.map(|(slot, at)| StopOrder::new(slot, at)),
                 clip,
-                ..Harness::default()
             },
         }
     }
@@ -217,22 +201,8 @@ impl<M: TrainStep + Module + ModuleDisplay> TrainStep for Harnessed<M> {
     type Output = M::Output;
 
     fn step(&self, item: M::Input) -> TrainOutput<M::Output> {
-        if let Some((slot, at)) = &self.harness.stop {
-            let count = {
-                let mut counts = self
-                    .harness
-                    .counts
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
-                let count = counts.entry(std::thread::current().id()).or_default();
-                *count += 1;
-                *count
-            };
-            if count == *at
-                && let Some(interrupter) = slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
-            {
-                interrupter.stop(Some("the harness stops the run here"));
-            }
+        if let Some(stop) = &self.harness.stop {
+            stop.before_train_step("the harness stops the run here");
         }
         TrainStep::step(&self.inner, item)
     }
