@@ -489,4 +489,43 @@ mod tests {
             assert_eq!(steps, expected, "rank {rank}");
         }
     }
+
+    #[test]
+    fn the_steps_drawn_say_one_devices_progress_with_and_without_padding_or_drop_last() {
+        // 37 items, 2 ranks of 4: steps of 8, the last of 5; rank 0 (the larger shard) draws a
+        // sample in every step. Padded: 38 items (one twice); drop_last: 36.
+        /// How a case's sampler treats the items its ranks do not divide.
+        type Tail = fn(DistributedSampler) -> DistributedSampler;
+        let cases: [(Tail, Vec<(u64, u64)>); 3] = [
+            (|s| s, vec![(8, 37), (16, 37), (24, 37), (32, 37), (37, 37)]),
+            (
+                |s| s.with_duplicate_padding(),
+                vec![(8, 38), (16, 38), (24, 38), (32, 38), (38, 38)],
+            ),
+            (
+                |s| s.with_drop_last(true).unwrap(),
+                vec![(8, 36), (16, 36), (24, 36), (32, 36), (36, 36)],
+            ),
+        ];
+        for (tail, expected) in cases {
+            let sampler = tail(DistributedSampler::new(37, 2).unwrap())
+                .with_rank(0)
+                .unwrap();
+            let loader = DistributedDataLoader::new(
+                Arc::new(Failing { len: 37, fail: 99 }),
+                Items,
+                sampler,
+                4,
+                Device::flex(),
+            )
+            .unwrap();
+            let mut seen = Vec::new();
+            for batch in loader.iter() {
+                batch.unwrap();
+                let drawn = crate::sampler::drawn_on_this_thread().expect("a drawn step");
+                seen.push(drawn.global_progress());
+            }
+            assert_eq!(seen, expected);
+        }
+    }
 }
